@@ -1,0 +1,17 @@
+"""shardwise: one logical tensor plus its layout over a mesh of devices.
+
+The public names mirror ``torch.distributed.tensor`` so that switching imports is enough.
+"""
+
+from shardwise.api import distribute_tensor, empty, full, ones, rand, randn, zeros
+from shardwise.dtensor import DTensor
+from shardwise.mesh import DeviceMesh, init_device_mesh
+from shardwise.placement import Partial, Placement, Replicate, Shard
+from shardwise.spec import DTensorSpec, TensorMeta
+
+__all__ = [
+    "DeviceMesh", "init_device_mesh",
+    "Placement", "Shard", "Replicate", "Partial",
+    "DTensorSpec", "TensorMeta", "DTensor",
+    "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
+]

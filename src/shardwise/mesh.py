@@ -1,0 +1,329 @@
+"""DeviceMesh: an N-D grid of ranks, one process group per axis.
+
+Each axis ("mesh dim") of the grid is one kind of parallelism: a (2, 4) mesh named
+("dp", "tp") is 2-way data parallel times 4-way tensor parallel over 8 ranks. Every rank
+holds the mesh object that contains it, so ``mesh["tp"]`` is ``[0, 1, 2, 3]`` on ranks 0-3 and
+``[4, 5, 6, 7]`` on ranks 4-7 (SPMD: same code, each rank sees its own slice).
+
+Process groups are created eagerly, for every slice of every axis, in the same order on every
+rank (c10d requires all ranks to enter ``new_group`` identically), and cached by their rank
+list, so building the same sub-mesh twice creates no new group.
+
+Named axes may be flattened: ``mesh["dp_replicate", "dp_shard"].flatten("dp")`` registers a
+1-D axis "dp" on the root mesh whose ranks are the row-major walk of those axes; afterwards
+``root["dp"]`` returns it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+# Rank tuple -> process group. Shared by all meshes of the process so each group exists once.
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """The cached process group over ``ranks`` (creating it on every rank if new)."""
+    group = _GROUPS.get(ranks)
+    if group is None:
+        if ranks == tuple(range(dist.get_world_size())):
+            group = dist.group.WORLD
+        else:
+            group = dist.new_group(list(ranks))
+        _GROUPS[ranks] = group
+    return group
+
+
+def num_cached_groups() -> int:
+    """How many distinct process groups meshes have asked for (for tests and tools)."""
+    return len(_GROUPS)
+
+
+def _current_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _axis_slices(family: torch.Tensor, sub_ndim: int) -> list[list[tuple[int, ...]]]:
+    """For each of the last ``sub_ndim`` axes of ``family``, every 1-D slice along it.
+
+    ``family`` stacks every rank's version of a mesh: its leading dims enumerate the copies,
+    its trailing ``sub_ndim`` dims are the mesh itself. The slices are the process groups that
+    all ranks together must create for that axis.
+    """
+    lead = family.ndim - sub_ndim
+    slices = []
+    for axis in range(sub_ndim):
+        moved = family.movedim(lead + axis, -1).reshape(-1, family.shape[lead + axis])
+        slices.append(sorted({tuple(int(r) for r in row) for row in moved}))
+    return slices
+
+
+class DeviceMesh:
+    """An N-D arrangement of ranks with one process group per axis.
+
+    Args:
+        device_type: "cpu" (gloo) or "cuda" (nccl).
+        mesh: the rank grid (nested lists or an int tensor); every rank passes the same grid.
+        mesh_dim_names: optional unique names, one per axis.
+
+    Example:
+        >>> mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+        >>> mesh["tp"].mesh  # on rank 2: tensor([2, 3])
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: torch.Tensor | Sequence,
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+        _family: torch.Tensor | None = None,
+        _root: "DeviceMesh | None" = None,
+        _axis_dims: tuple[tuple[int, ...], ...] | None = None,
+    ) -> None:
+        grid = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
+        names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+        _check_mesh(grid, names)
+        self.device_type = device_type
+        self.mesh = grid
+        self.mesh_dim_names = names
+        self._root = _root if _root is not None else self
+        # For each axis of this mesh, the root axes it is made of (several if flattened).
+        self._axis_dims = _axis_dims if _axis_dims is not None else tuple((i,) for i in range(grid.ndim))
+        self._flattened: dict[str, tuple[int, ...]] = {}
+        self._rank = _current_rank()
+        coords = (grid == self._rank).nonzero()
+        self._coordinate = tuple(int(c) for c in coords[0]) if len(coords) else None
+        self._groups: list[dist.ProcessGroup] = []
+        if dist.is_initialized():
+            _ensure_backend_device(device_type)
+            self._groups = self._init_groups(_family if _family is not None else grid)
+        self._key = (device_type, tuple(grid.flatten().tolist()), tuple(grid.shape), names)
+        self._hash = hash(self._key)
+
+    def _init_groups(self, family: torch.Tensor) -> list[dist.ProcessGroup]:
+        """Create (or reuse) every slice group of every axis; return the ones containing us."""
+        mine = []
+        for axis, slices in enumerate(_axis_slices(family, self.mesh.ndim)):
+            own = None
+            for ranks in slices:
+                group = _group_for(ranks)
+                if self._rank in ranks:
+                    own = group
+            mine.append(own)
+        return mine
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def ndim(self) -> int:
+        """Number of mesh axes."""
+        return self.mesh.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Size of each mesh axis."""
+        return tuple(self.mesh.shape)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Ranks along one axis, or in the whole mesh when ``mesh_dim`` is None."""
+        if mesh_dim is None:
+            return self.mesh.numel()
+        return self.mesh.shape[self._axis_index(mesh_dim)]
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's index along every axis, or None if this rank is not in the mesh."""
+        return self._coordinate
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """This rank's index along one axis (the only axis if the mesh is 1-D)."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"{self} has {self.ndim} axes; name the axis for get_local_rank")
+            mesh_dim = 0
+        if self._coordinate is None:
+            raise RuntimeError(f"rank {self._rank} is not in {self}")
+        return self._coordinate[self._axis_index(mesh_dim)]
+
+    def get_rank(self) -> int:
+        """This process's global rank."""
+        return self._rank
+
+    def get_group(self, mesh_dim: int | str | None = None) -> dist.ProcessGroup:
+        """The process group of this rank's slice along one axis."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"{self} has {self.ndim} axes; name the axis for get_group")
+            mesh_dim = 0
+        group = self._groups[self._axis_index(mesh_dim)] if self._groups else None
+        if group is None:
+            raise RuntimeError(f"rank {self._rank} has no group on axis {mesh_dim!r} of {self}")
+        return group
+
+    def get_all_groups(self) -> list[dist.ProcessGroup]:
+        """One process group per axis."""
+        return [self.get_group(i) for i in range(self.ndim)]
+
+    def axis_name(self, mesh_dim: int) -> str:
+        """The name of an axis, or ``dim<i>`` when the mesh is unnamed."""
+        return self.mesh_dim_names[mesh_dim] if self.mesh_dim_names else f"dim{mesh_dim}"
+
+    def _axis_index(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
+                raise KeyError(f"{self} has no axis named {mesh_dim!r}")
+            return self.mesh_dim_names.index(mesh_dim)
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise IndexError(f"{self} has no axis {mesh_dim}")
+        return mesh_dim % self.ndim
+
+    # ------------------------------------------------------------------ sub-meshes
+    def __getitem__(self, names: str | tuple[str, ...]) -> "DeviceMesh":
+        """The sub-mesh over the named axes, in the order given, that contains this rank."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if self.mesh_dim_names is not None and names == self.mesh_dim_names:
+            return self
+        root = self._root
+        dims = [self._root_dims_of(n) for n in names]
+        flat = [d for group in dims for d in group]
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"axes {names} of {self} overlap; each axis may be selected once")
+        return root._submesh(names, dims)
+
+    def _root_dims_of(self, name: str) -> tuple[int, ...]:
+        """The root axes behind axis ``name`` of this mesh (or a flattened axis of the root)."""
+        if not isinstance(name, str):
+            raise TypeError(f"index a DeviceMesh by axis names, got {name!r}")
+        if self.mesh_dim_names and name in self.mesh_dim_names:
+            return self._axis_dims[self.mesh_dim_names.index(name)]
+        if name in self._root._flattened:
+            return self._root._flattened[name]
+        known = list(self.mesh_dim_names or ()) + list(self._root._flattened)
+        raise KeyError(f"{self} has no axis named {name!r}; known axes: {known}")
+
+    def _submesh(self, names: tuple[str, ...], dims: list[tuple[int, ...]]) -> "DeviceMesh":
+        """Root-only: the mesh over groups of root axes ``dims`` (each group flattened)."""
+        chosen = [d for group in dims for d in group]
+        rest = [d for d in range(self.ndim) if d not in chosen]
+        sub_shape = [math.prod(self.mesh.shape[d] for d in group) for group in dims]
+        family = self.mesh.permute(rest + chosen)
+        family = family.reshape([self.mesh.shape[d] for d in rest] + sub_shape)
+        coord = self._coordinate
+        mine = family[tuple(coord[d] for d in rest)] if coord is not None else family.reshape(-1, *sub_shape)[0]
+        return DeviceMesh(
+            self.device_type,
+            mine,
+            mesh_dim_names=names,
+            _family=family,
+            _root=self,
+            _axis_dims=tuple(dims),
+        )
+
+    def flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
+        """Merge all axes of this mesh into one named axis, registered on the root mesh.
+
+        The flattened axis walks the axes row-major in this mesh's order, and is reachable
+        afterwards as ``root[mesh_dim_name]``. Any set of root axes may be flattened, contiguous
+        or not. Flattening again under the same name returns the same layout.
+        """
+        root = self._root
+        dims = tuple(d for group in self._axis_dims for d in group)
+        name = mesh_dim_name or "_".join(self.axis_name(i) for i in range(self.ndim))
+        existing = root._flattened.get(name)
+        if root.mesh_dim_names and name in root.mesh_dim_names:
+            if dims != (root.mesh_dim_names.index(name),):
+                raise ValueError(f"cannot flatten into {name!r}: {root} already has that axis")
+        elif existing is not None and existing != dims:
+            raise ValueError(
+                f"{name!r} is already a flattened axis over root axes {existing}, not {dims}"
+            )
+        root._flattened[name] = dims
+        return root[name]
+
+    _flatten = flatten
+
+    # ------------------------------------------------------------------ identity
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceMesh) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{self.axis_name(i)}={n}" for i, n in enumerate(self.shape))
+        return f"mesh({axes})"
+
+    def describe(self) -> str:
+        """Long form with the rank grid, for error messages about layouts."""
+        return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}, names={self.mesh_dim_names})"
+
+
+def _check_mesh(grid: torch.Tensor, names: tuple[str, ...] | None) -> None:
+    """Validate a rank grid and its axis names; every rank raises the same error."""
+    ranks = grid.flatten().tolist()
+    if grid.numel() == 0:
+        raise ValueError(f"a DeviceMesh needs at least one rank, got grid of shape {tuple(grid.shape)}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"DeviceMesh grid {grid.tolist()} lists a rank twice")
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        bad = [r for r in ranks if not 0 <= r < world]
+        if bad:
+            raise ValueError(f"DeviceMesh grid {grid.tolist()} has ranks {bad} outside world size {world}")
+    if names is not None:
+        if len(names) != grid.ndim:
+            raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {grid.ndim}-D mesh")
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh_dim_names {names} has duplicate names")
+
+
+def _ensure_backend_device(device_type: str) -> None:
+    if device_type == "cuda" and torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    *,
+    mesh_dim_names: Sequence[str] | None = None,
+) -> DeviceMesh:
+    """Build a mesh over the whole world, starting the default process group if needed.
+
+    Args:
+        device_type: "cpu" (gloo) or "cuda" (nccl); the local device is rank % GPUs per node.
+        mesh_shape: size of each axis; their product must equal the world size.
+        mesh_dim_names: optional unique name per axis.
+
+    Returns:
+        The mesh, ranks laid out row-major: ``init_device_mesh("cpu", (2, 2))`` is [[0, 1], [2, 3]].
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    """
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+    if names is not None and len(names) != len(mesh_shape):
+        raise ValueError(f"mesh_dim_names {names} has {len(names)} names for mesh_shape {mesh_shape}")
+    if names is not None and len(set(names)) != len(names):
+        raise ValueError(f"mesh_dim_names {names} has duplicate names")
+    if any(s <= 0 for s in mesh_shape):
+        raise ValueError(f"mesh_shape {mesh_shape} must have positive sizes")
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend)
+    world = dist.get_world_size()
+    if math.prod(mesh_shape) != world:
+        raise ValueError(
+            f"mesh_shape {mesh_shape} has {math.prod(mesh_shape)} ranks but the world size is {world}"
+        )
+    grid = torch.arange(world).reshape(mesh_shape)
+    return DeviceMesh(device_type, grid, mesh_dim_names=names)

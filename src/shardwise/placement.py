@@ -1,0 +1,154 @@
+"""Placements: how a logical tensor is laid out along ONE mesh axis.
+
+A DTensor carries one placement per mesh axis:
+
+* ``Shard(dim)``: the tensor is cut along tensor dim ``dim`` into ``torch.chunk`` pieces, one per
+  rank of the axis (ceil-sized pieces; trailing ranks may hold fewer or zero rows).
+* ``Replicate()``: every rank of the axis holds the same values.
+* ``Partial(op)``: every rank holds a same-shaped tensor; the logical value is the reduction
+  (``sum``, ``avg``, ``max``, ``min``) of them over the axis.
+
+Placements are immutable values; they own their own arithmetic (chunk sizes and offsets, how to
+split a replicated value into partial contributions) so that the contract
+``reduce(partition(v)) == v`` lives in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import torch
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "check_placements"]
+
+
+class Placement:
+    """Base class of the three placements; use the ``is_*`` predicates rather than isinstance."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        """True if this is ``Shard`` (on tensor dim ``dim``, when given)."""
+        return False
+
+    def is_replicate(self) -> bool:
+        """True if this is ``Replicate()``."""
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        """True if this is ``Partial`` (with reduce op ``reduce_op``, when given)."""
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    """Cut the tensor along tensor dim ``dim`` over the ranks of a mesh axis (torch.chunk rules).
+
+    A negative ``dim`` is kept as given until the tensor's rank is known; specs normalize it.
+    """
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"Shard(dim) needs an int tensor dim, got {self.dim!r}")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def normalized(self, ndim: int) -> "Shard":
+        """This placement with ``dim`` made non-negative for a tensor of rank ``ndim``."""
+        if not -ndim <= self.dim < max(ndim, 1) or ndim == 0:
+            raise IndexError(f"Shard({self.dim}) is outside a tensor of rank {ndim}")
+        return self if self.dim >= 0 else Shard(self.dim + ndim)
+
+    @staticmethod
+    def chunk(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+        """(length, offset) of piece ``index`` when ``size`` rows are cut into ``num_chunks``.
+
+        torch.chunk semantics: every piece has ceil(size / num_chunks) rows except the trailing
+        ones, which may be shorter or empty. Offsets of empty pieces are clamped to ``size``.
+        """
+        full = -(-size // num_chunks) if num_chunks > 0 else 0
+        start = min(full * index, size)
+        return min(full, size - start), start
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    """Every rank of the mesh axis holds the whole (possibly otherwise sharded) value."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """Each rank holds a contribution; the value is their ``reduce_op`` over the mesh axis.
+
+    ``sum`` and ``avg`` are linear, ``max`` and ``min`` are not: only ops that commute with the
+    pending reduction may keep a Partial (the dispatcher enforces this).
+    """
+
+    reduce_op: str = "sum"
+    REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg", "max", "min")
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in self.REDUCE_OPS:
+            raise ValueError(
+                f"Partial reduce_op must be one of {self.REDUCE_OPS}, got {self.reduce_op!r}"
+            )
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or reduce_op == self.reduce_op
+
+    def partition_value(self, value: torch.Tensor, axis_rank: int) -> torch.Tensor:
+        """This rank's contribution such that reducing all contributions gives back ``value``.
+
+        For ``sum`` the first rank keeps the value and the others hold zeros: exact for every
+        dtype (dividing by the axis size would round). ``avg``, ``max`` and ``min`` keep it
+        everywhere, since their reduction of equal values is that value.
+        """
+        if self.reduce_op == "sum" and axis_rank != 0:
+            return torch.zeros_like(value)
+        return value
+
+    def __repr__(self) -> str:
+        return f"Partial({self.reduce_op})"
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+
+def check_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Validate a placement list on its own (no mesh or shape needed) and return it as a tuple.
+
+    Raises:
+        TypeError: an entry is not a Placement.
+        ValueError: Partials with different reduce ops are mixed; no single reduction order
+            would give the value back (sum and max do not commute).
+    """
+    placements = tuple(placements)
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise TypeError(f"expected Placement objects, got {p!r} in {list(placements)}")
+    ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
+    if len(ops) > 1:
+        raise ValueError(
+            f"placements {list(placements)} mix Partial reduce ops {sorted(ops)}; a DTensor may "
+            "carry only one kind of pending reduction"
+        )
+    return placements

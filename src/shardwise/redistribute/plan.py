@@ -1,0 +1,187 @@
+"""The redistribute planner: a pure function from (source layout, target layout) to steps.
+
+A layout is one placement per mesh axis. A step changes ONE axis with ONE collective:
+
+    Shard(d)  -> Replicate   all_gather        Replicate -> Shard(d)  local chunk (free)
+    Partial   -> Replicate   all_reduce        Partial   -> Shard(d)  reduce_scatter
+    Shard(d)  -> Shard(e)    all_to_all        Replicate -> Partial   partition (free)
+
+Axes cut the tensor in order (axis 0 first), so a step on axis i that gathers or cuts tensor
+dim d is only legal when no later axis also cuts d: otherwise this rank's block is a piece of
+a piece and the step would stitch the wrong rows together. The planner searches the small
+graph of layouts (Dijkstra) for the path with the fewest bytes sent by the busiest rank, ties
+broken by fewer steps and then by a fixed order, so every rank derives the same plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from shardwise.placement import Partial, Placement, Replicate, Shard
+from shardwise.spec import local_shape_and_offset
+
+__all__ = ["Step", "Plan", "plan_redistribute"]
+
+Layout = tuple[Placement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Change mesh ``axis`` from ``src`` to ``dst`` with ``collective``.
+
+    ``bytes_per_rank`` is what the busiest rank (coordinate 0 holds the largest chunks) sends.
+    """
+
+    axis: int
+    src: Placement
+    dst: Placement
+    collective: str
+    bytes_per_rank: int
+
+    def __str__(self) -> str:
+        return f"axis {self.axis}: {self.src} -> {self.dst} by {self.collective} ({self.bytes_per_rank} B)"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Ordered steps; ``bytes_per_rank`` is their total for the busiest rank."""
+
+    steps: tuple[Step, ...]
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return sum(s.bytes_per_rank for s in self.steps)
+
+    @property
+    def collectives(self) -> list[str]:
+        """Names of the collectives that move data, in order (free local steps left out)."""
+        return [s.collective for s in self.steps if s.collective not in _FREE]
+
+    def __str__(self) -> str:
+        return "; ".join(map(str, self.steps)) or "no-op"
+
+
+_FREE = ("local_chunk", "partition", "relabel")
+
+
+def plan_redistribute(
+    global_shape: Sequence[int],
+    itemsize: int,
+    mesh_shape: Sequence[int],
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+) -> Plan:
+    """The cheapest sequence of single-axis steps from layout ``src`` to layout ``dst``.
+
+    Args:
+        global_shape: the logical tensor's shape (Shard dims already non-negative).
+        itemsize: bytes per element.
+        mesh_shape: ranks along each mesh axis.
+        src, dst: one placement per axis.
+
+    Raises:
+        ValueError: no path exists (cannot happen for valid layouts; kept as a guard).
+    """
+    return _plan(tuple(global_shape), itemsize, tuple(mesh_shape), tuple(src), tuple(dst))
+
+
+@lru_cache(maxsize=4096)
+def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layout) -> Plan:
+    if src == dst:
+        return Plan(())
+    ctx = _Context(shape, itemsize, mesh_shape, _partial_ops(src, dst))
+    # (bytes, steps, tie-break key, layout, path)
+    frontier: list = [(0, 0, "", src, ())]
+    settled: set[Layout] = set()
+    while frontier:
+        cost, n_steps, key, layout, path = heapq.heappop(frontier)
+        if layout == dst:
+            return Plan(path)
+        if layout in settled:
+            continue
+        settled.add(layout)
+        for step in ctx.moves(layout):
+            nxt = layout[: step.axis] + (step.dst,) + layout[step.axis + 1 :]
+            if nxt not in settled:
+                entry = (cost + step.bytes_per_rank, n_steps + 1, key + "|" + str(step), nxt, path + (step,))
+                heapq.heappush(frontier, entry)
+    raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(shape)}")
+
+
+def _partial_ops(src: Layout, dst: Layout) -> tuple[Partial, ...]:
+    return tuple(sorted({p for p in src + dst if isinstance(p, Partial)}, key=lambda p: p.reduce_op))
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    shape: tuple
+    itemsize: int
+    mesh_shape: tuple
+    partials: tuple[Partial, ...]
+
+    def candidates(self) -> list[Placement]:
+        """Every placement one axis may take along the way."""
+        return [Replicate(), *self.partials, *(Shard(d) for d in range(len(self.shape)))]
+
+    def moves(self, layout: Layout) -> list[Step]:
+        steps = []
+        for axis, current in enumerate(layout):
+            for target in self.candidates():
+                step = self.step(layout, axis, current, target)
+                if step is not None:
+                    steps.append(step)
+        return steps
+
+    def step(self, layout: Layout, axis: int, cur: Placement, new: Placement) -> Step | None:
+        """The single-collective step on ``axis`` from ``cur`` to ``new``, or None if illegal."""
+        if cur == new or new.is_partial() and any(p.is_partial() and p != new for p in layout):
+            return None
+        if self.mesh_shape[axis] == 1:  # one rank: every layout of this axis holds the same data
+            return Step(axis, cur, new, "relabel", 0)
+        kind = _collective(cur, new)
+        if kind is None or not self._cuts_ok(layout, axis, cur, new):
+            return None
+        return Step(axis, cur, new, kind, self._bytes(layout, axis, kind, cur, new))
+
+    def _cuts_ok(self, layout: Layout, axis: int, cur: Placement, new: Placement) -> bool:
+        """No later axis cuts a tensor dim this step gathers or cuts."""
+        dims = {p.dim for p in (cur, new) if isinstance(p, Shard)}
+        return not any(isinstance(p, Shard) and p.dim in dims for p in layout[axis + 1 :])
+
+    def _bytes(self, layout: Layout, axis: int, kind: str, cur: Placement, new: Placement) -> int:
+        if kind in _FREE:
+            return 0
+        n = self.mesh_shape[axis]
+        before = self._local_shape(layout)
+        numel = math.prod(before)
+        if kind == "all_gather":
+            sent = (n - 1) * numel
+        elif kind == "all_reduce":
+            sent = numel + (n - 2) * -(-numel // n)
+        else:  # reduce_scatter, all_to_all: send all but the piece this rank keeps
+            after = self._local_shape(layout[:axis] + (new,) + layout[axis + 1 :])
+            sent = numel - math.prod(after) if kind == "reduce_scatter" else numel - _kept(before, after)
+        return sent * self.itemsize
+
+    def _local_shape(self, layout: Layout) -> tuple[int, ...]:
+        coordinate = (0,) * len(self.mesh_shape)
+        return local_shape_and_offset(self.shape, self.mesh_shape, coordinate, layout)[0]
+
+
+def _kept(before: tuple[int, ...], after: tuple[int, ...]) -> int:
+    """Elements an all_to_all leaves in place: the overlap of the old and new block."""
+    return math.prod(min(b, a) for b, a in zip(before, after))
+
+
+def _collective(cur: Placement, new: Placement) -> str | None:
+    if cur.is_shard():
+        return "all_gather" if new.is_replicate() else "all_to_all" if new.is_shard() else None
+    if cur.is_replicate():
+        return "local_chunk" if new.is_shard() else "partition" if new.is_partial() else None
+    if cur.is_partial():
+        return "all_reduce" if new.is_replicate() else "reduce_scatter" if new.is_shard() else None
+    return None

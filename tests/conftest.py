@@ -1,0 +1,37 @@
+"""Shared pytest fixtures: the ``dist`` fixture runs functions on gloo worker pools.
+
+    def _body(n):                 # module-level, runs on every rank
+        return torch.distributed.get_rank() * n
+
+    def test_x(dist):
+        assert dist.run(4, _body, 10) == [0, 10, 20, 30]
+        dist.run_expect_error(4, _bad, match="placement")
+
+See tests/harness.py for details. The fixture is session-scoped, so it also works
+inside hypothesis ``@given`` tests. Pools start lazily; set
+``SHARDWISE_TEST_PRESTART=1,2,4,8`` to start those pools concurrently when the
+fixture is first requested.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests import harness
+
+
+@pytest.fixture(scope="session")
+def dist():
+    runner = harness.DistRunner()
+    prestart = os.environ.get("SHARDWISE_TEST_PRESTART", "").strip()
+    if prestart:
+        harness.prestart(*(int(w) for w in prestart.split(",") if w.strip()))
+    yield runner
+    harness.shutdown_all()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Also covers pools started through harness.run_distributed() without the fixture.
+    harness.shutdown_all()
