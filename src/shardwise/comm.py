@@ -49,8 +49,9 @@ def _record(kind: str, mesh: DeviceMesh, axis: int, bytes_sent: int) -> None:
         recorder.record(kind, mesh, axis, bytes_sent)
 
 
-# torch 2.13 renamed reduce_scatter_tensor; older releases (>= 2.6) only have the old name.
+# torch 2.13 renamed these; older releases (>= 2.6) only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _LOCAL_REDUCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -95,7 +96,7 @@ def all_gather(
     rows = _rows_first(shard, dim)  # [len_me, *rest]
     if len(set(lengths)) == 1:
         out = rows.new_empty((lengths[0] * n, *rows.shape[1:]))
-        dist.all_gather_into_tensor(out, rows, group=group)
+        _all_gather_single(out, rows, group=group)
     else:
         flat = rows.reshape(-1).repeat(n)
         recv = _a2a_flat(flat, [rows.numel()] * n, [l * rest for l in lengths], group)

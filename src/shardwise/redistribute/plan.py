@@ -33,7 +33,7 @@ Layout = tuple[Placement, ...]
 class Step:
     """Change mesh ``axis`` from ``src`` to ``dst`` with ``collective``.
 
-    ``bytes_per_rank`` is what the busiest rank (coordinate 0 holds the largest chunks) sends.
+    ``bytes_per_rank`` is what the busiest rank of the axis sends.
     """
 
     axis: int
@@ -104,12 +104,18 @@ def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layo
         if layout in settled:
             continue
         settled.add(layout)
-        for step in ctx.moves(layout):
+        for step in _moves(ctx, layout):
             nxt = layout[: step.axis] + (step.dst,) + layout[step.axis + 1 :]
             if nxt not in settled:
                 entry = (cost + step.bytes_per_rank, n_steps + 1, key + "|" + str(step), nxt, path + (step,))
                 heapq.heappush(frontier, entry)
     raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(shape)}")
+
+
+@lru_cache(maxsize=65536)
+def _moves(ctx: "_Context", layout: Layout) -> tuple[Step, ...]:
+    """Edges out of ``layout``; they depend on the tensor and mesh, not on the endpoints."""
+    return tuple(ctx.moves(layout))
 
 
 def _partial_ops(src: Layout, dst: Layout) -> tuple[Partial, ...]:
@@ -153,23 +159,37 @@ class _Context:
         return not any(isinstance(p, Shard) and p.dim in dims for p in layout[axis + 1 :])
 
     def _bytes(self, layout: Layout, axis: int, kind: str, cur: Placement, new: Placement) -> int:
+        """Bytes the busiest rank of the axis sends (the others at coordinate 0, where blocks are largest)."""
         if kind in _FREE:
             return 0
-        n = self.mesh_shape[axis]
-        before = self._local_shape(layout)
+        after = layout[:axis] + (new,) + layout[axis + 1 :]
+        return max(
+            self._sent(kind, self.mesh_shape[axis], self._local_shape(layout, axis, k), self._local_shape(after, axis, k))
+            for k in range(self.mesh_shape[axis])
+        ) * self.itemsize
+
+    @staticmethod
+    def _sent(kind: str, n: int, before: tuple[int, ...], after: tuple[int, ...]) -> int:
+        """Elements one rank sends: its block to n-1 peers, all of a reduction but its piece, ..."""
         numel = math.prod(before)
         if kind == "all_gather":
-            sent = (n - 1) * numel
-        elif kind == "all_reduce":
-            sent = numel + (n - 2) * -(-numel // n)
-        else:  # reduce_scatter, all_to_all: send all but the piece this rank keeps
-            after = self._local_shape(layout[:axis] + (new,) + layout[axis + 1 :])
-            sent = numel - math.prod(after) if kind == "reduce_scatter" else numel - _kept(before, after)
-        return sent * self.itemsize
+            return (n - 1) * numel
+        if kind == "all_reduce":
+            return numel + (n - 2) * -(-numel // n)
+        if kind == "reduce_scatter":
+            return numel - math.prod(after)
+        return numel - _kept(before, after)  # all_to_all
 
-    def _local_shape(self, layout: Layout) -> tuple[int, ...]:
-        coordinate = (0,) * len(self.mesh_shape)
-        return local_shape_and_offset(self.shape, self.mesh_shape, coordinate, layout)[0]
+    def _local_shape(self, layout: Layout, axis: int = 0, index: int = 0) -> tuple[int, ...]:
+        return _block_shape(self.shape, self.mesh_shape, layout, axis, index)
+
+
+@lru_cache(maxsize=65536)
+def _block_shape(shape: tuple, mesh_shape: tuple, layout: Layout, axis: int, index: int) -> tuple[int, ...]:
+    """Block shape of the rank at ``index`` on ``axis`` and coordinate 0 on the other axes."""
+    coordinate = [0] * len(mesh_shape)
+    coordinate[axis] = index
+    return local_shape_and_offset(shape, mesh_shape, coordinate, layout)[0]
 
 
 def _kept(before: tuple[int, ...], after: tuple[int, ...]) -> int:

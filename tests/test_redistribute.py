@@ -1,0 +1,141 @@
+"""redistribute on real gloo groups: every placement pair, values and bytes, seed examples."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise import Partial, Replicate, Shard
+from shardwise.debug import CommDebugMode
+from shardwise.redistribute import plan_redistribute
+
+ALL = [Replicate(), Shard(0), Shard(1), Partial()]
+
+
+def _matrix(mesh_shape, shape):
+    """Every (src, dst) pair: this rank's resulting block, offset and bytes sent per collective.
+
+    Values are checked by the parent from every rank's blocks, so checking adds no collective.
+    """
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    x = _global(shape)
+    results = {}
+    for src in itertools.product(ALL, repeat=len(mesh_shape)):
+        start = sw.distribute_tensor(x, mesh, src, src_data_rank=None)  # no communication
+        for dst in itertools.product(ALL, repeat=len(mesh_shape)):
+            with CommDebugMode() as comms:
+                out = start.redistribute(mesh, dst)
+            _, offset = out._spec.local_shape_and_offset()
+            kinds = [r.kind for r in comms.records]
+            results[(src, dst)] = (out.placements, out.to_local().clone(), offset, mesh.get_coordinate(), kinds,
+                                   [r.bytes_sent for r in comms.records])
+    return results
+
+
+def _global(shape):
+    return torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float64).reshape(shape).sin()
+
+
+def _reassemble(dst, per_rank):
+    """The logical tensor from every rank's block: one copy per Replicate axis, Partial summed."""
+    for _, local, offset, coordinate, _, _ in per_rank:
+        if any(c != 0 for c, p in zip(coordinate, dst) if p.is_replicate()):
+            continue
+        index = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+        yield index, local
+
+
+def _check(out, mesh_shape, shape):
+    """Right placements and values; the busiest rank sent exactly what the plan promised."""
+    x = _global(shape)
+    for (src, dst) in out[0]:
+        per_rank = [o[(src, dst)] for o in out]
+        logical = torch.zeros_like(x)
+        for index, local in _reassemble(dst, per_rank):
+            logical[index] += local
+        assert torch.allclose(logical, x), f"{src}->{dst}: wrong values"
+        assert all(p[0] == dst for p in per_rank), f"{src}->{dst}: wrong placements"
+        plan = plan_redistribute(shape, 8, mesh_shape, src, dst)
+        steps = [s for s in plan.steps if s.collective in plan.collectives]
+        for rank, (_, _, _, _, kinds, sent) in enumerate(per_rank):
+            # A group whose blocks are all empty skips a step, together; no rank sends more.
+            planned = iter((s.collective, s.bytes_per_rank) for s in steps)
+            assert all(any(k == c and b <= limit for c, limit in planned) for k, b in zip(kinds, sent)), (
+                f"{src}->{dst}: rank {rank} ran {list(zip(kinds, sent))}, plan {plan}")
+        busiest = [max(s) for s in zip(*(p[5] for p in per_rank if len(p[5]) == len(steps)))]
+        assert not busiest or busiest == [s.bytes_per_rank for s in steps], (
+            f"{src}->{dst}: busiest rank sent {busiest}, plan {plan}")
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,shape",
+    [((4,), (8, 12)), ((4,), (5, 7)), ((2, 2), (8, 12)), ((2, 2), (5, 7)), ((2, 2, 2), (8, 12)), ((2, 2, 2), (5, 3))],
+)
+def test_every_placement_pair(dist, mesh_shape, shape):
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    _check(dist.run(world, _matrix, mesh_shape, shape, timeout=300), mesh_shape, shape)
+
+
+def test_empty_shards_through_every_transition(dist):
+    # (3, 5) over 8 ranks: five ranks hold no rows; nobody may skip a collective.
+    _check(dist.run(8, _matrix, (8,), (3, 5), timeout=120), (8,), (3, 5))
+
+
+def _seed_shard_examples():
+    mesh = sw.init_device_mesh("cpu", (2,))
+    a, b, c, d = 1.0, 2.0, 3.0, 4.0
+    rep = sw.DTensor.from_local(torch.tensor([a, b, c, d]), mesh, [Replicate()])
+    shard = rep.redistribute(mesh, [Shard(0)])
+    with CommDebugMode() as gather:
+        back = shard.redistribute(mesh, [Replicate()])
+    rows = sw.DTensor.from_local(torch.tensor([[a, b], [c, d]]).narrow(0, dist.get_rank(), 1), mesh, [Shard(0)])
+    with CommDebugMode() as a2a:
+        cols = rows.redistribute(mesh, [Shard(1)])
+    return shard.to_local().tolist(), back.to_local().tolist(), gather.get_comm_counts(), cols.to_local().tolist(), a2a.get_comm_counts()
+
+
+def test_seed_examples_shard_replicate_all_to_all(dist):
+    out = dist.run(2, _seed_shard_examples)
+    assert out[0][0] == [1.0, 2.0] and out[1][0] == [3.0, 4.0]  # [a,b] | [c,d]
+    assert out[0][1] == out[1][1] == [1.0, 2.0, 3.0, 4.0] and out[0][2] == {"all_gather": 1}
+    assert out[0][3] == [[1.0], [3.0]] and out[1][3] == [[2.0], [4.0]]  # [a,c] | [b,d]
+    assert out[0][4] == {"all_to_all": 1}
+
+
+def _seed_partial_examples():
+    mesh = sw.init_device_mesh("cpu", (2,))
+    local = torch.tensor([1.0, 2.0, 3.0, 4.0]) if dist.get_rank() == 0 else torch.tensor([5.0, 6.0, 7.0, 8.0])
+    partial = sw.DTensor.from_local(local, mesh, [Partial()])
+    with CommDebugMode() as ar:
+        rep = partial.redistribute(mesh, [Replicate()])
+    with CommDebugMode() as rs:
+        shard = partial.redistribute(mesh, [Shard(0)])
+    return rep.to_local().tolist(), ar.get_comm_counts(), shard.to_local().tolist(), rs.get_comm_counts()
+
+
+def test_seed_examples_partial(dist):
+    out = dist.run(2, _seed_partial_examples)
+    assert out[0][0] == out[1][0] == [6.0, 8.0, 10.0, 12.0] and out[0][1] == {"all_reduce": 1}
+    assert out[0][2] == [6.0, 8.0] and out[1][2] == [10.0, 12.0] and out[0][3] == {"reduce_scatter": 1}
+
+
+def _partial_ops(op):
+    mesh = sw.init_device_mesh("cpu", (4,))
+    rank = dist.get_rank()
+    local = torch.arange(6.0).reshape(3, 2) * (rank + 1) - rank
+    partial = sw.DTensor.from_local(local, mesh, [Partial(op)])
+    return partial.full_tensor(), partial.redistribute(mesh, [Shard(0)]).to_local(), local
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+def test_partial_reduce_ops(dist, op):
+    out = dist.run(4, _partial_ops, op)
+    stacked = torch.stack([o[2] for o in out])
+    want = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+    for rank, (full, shard, _) in enumerate(out):
+        assert torch.allclose(full, want)
+        assert torch.allclose(shard, want.chunk(4)[rank] if rank < 3 else want[3:])
