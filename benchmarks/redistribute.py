@@ -40,8 +40,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import main_or_launch  # noqa: E402
+from shardwise.launch import main_or_launch
 
 NPROC = 4
 EXIT_WRONG = 3

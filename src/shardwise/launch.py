@@ -1,8 +1,9 @@
-"""Run a benchmark script on N local CPU processes without asking the user for torchrun.
+"""Run a program on N local processes without asking the user for torchrun.
 
 ``main_or_launch(worker, nproc)`` either runs ``worker()`` (when this process is already one of
 the workers: torchrun / the elastic agent set RANK, LOCAL_RANK and TORCHELASTIC_RUN_ID), or
-starts ``nproc`` copies of the current script through torch's elastic launcher and waits.
+starts ``nproc`` copies of the current program (a script, or ``python -m module``) through
+torch's elastic launcher and waits. Under torchrun on many hosts the same program just runs.
 
 The elastic agent watches the workers: if one exits non-zero (an exception, a gloo timeout)
 the others are stopped and the launcher exits non-zero, instead of the job hanging on a
@@ -24,8 +25,8 @@ def under_launcher() -> bool:
     return any(name in os.environ for name in _WORKER_ENV)
 
 
-def launch(script: str, argv: list[str], nproc: int, quiet_codes: tuple[int, ...] = ()) -> int:
-    """Start ``nproc`` local workers running ``python script *argv``; return the exit status.
+def launch(python_args: list[str], nproc: int, quiet_codes: tuple[int, ...] = ()) -> int:
+    """Start ``nproc`` local workers running ``python *python_args``; return the exit status.
 
     A failure where every failed worker exited with one of ``quiet_codes`` is a verdict the
     workers already printed (not a crash): its code is returned without the agent's report.
@@ -45,7 +46,7 @@ def launch(script: str, argv: list[str], nproc: int, quiet_codes: tuple[int, ...
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
-        run_id=f"shardwise-bench-{uuid.uuid4().hex[:8]}",
+        run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone
         max_restarts=0,
@@ -53,7 +54,7 @@ def launch(script: str, argv: list[str], nproc: int, quiet_codes: tuple[int, ...
         start_method="spawn",
     )
     try:
-        elastic_launch(config, sys.executable)("-u", os.path.abspath(script), *argv)
+        elastic_launch(config, sys.executable)("-u", *python_args)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if len(codes) == 1 and codes <= set(quiet_codes):
@@ -69,11 +70,24 @@ def launch(script: str, argv: list[str], nproc: int, quiet_codes: tuple[int, ...
     return 0
 
 
-def main_or_launch(worker: Callable[[], int | None], nproc: int, quiet_codes: tuple[int, ...] = ()) -> None:
-    """Run ``worker`` here if we are a worker, else launch ``nproc`` workers of this script."""
+def main_or_launch(
+    worker: Callable[[], int | None],
+    nproc: int,
+    quiet_codes: tuple[int, ...] = (),
+    module: str | None = None,
+) -> None:
+    """Run ``worker`` here if we are a worker, else launch ``nproc`` workers of this program.
+
+    Args:
+        worker: the per-rank main; its return value is the exit status.
+        nproc: local processes to start when not already under a launcher.
+        quiet_codes: worker exit statuses that are verdicts, not crashes (reported briefly).
+        module: run the workers as ``python -m module`` (else the current script).
+    """
     if under_launcher():
         from torch.distributed.elastic.multiprocessing.errors import record
 
         status = record(worker)()
         sys.exit(int(status or 0))
-    sys.exit(launch(sys.argv[0], sys.argv[1:], nproc, quiet_codes))
+    program = ["-m", module] if module else [os.path.abspath(sys.argv[0])]
+    sys.exit(launch(program + sys.argv[1:], nproc, quiet_codes))
