@@ -106,3 +106,18 @@ def _subset_mesh():
 def test_mesh_over_a_subset_of_ranks(dist):
     out = dist.run(4, _subset_mesh)
     assert out == [((0,), [0.0, 1.0]), ((1,), [2.0, 3.0]), (None, []), (None, [])]
+
+
+def _flatten_non_contiguous():
+    mesh = sw.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "cp"))
+    flat = mesh["cp", "dp"].flatten("cp_dp")
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value, group=flat.get_group())
+    return flat.mesh.tolist(), mesh["cp_dp"].mesh.tolist(), value.item()
+
+
+def test_flatten_of_non_contiguous_axes_in_any_order(dist):
+    out = dist.run(8, _flatten_non_contiguous)
+    # rank 0: pp = 0 -> ranks {0, 1, 4, 5}, walked with cp as the slow axis.
+    assert out[0][0] == out[0][1] == [0, 4, 1, 5] and out[0][2] == 10.0
+    assert out[3][0] == [2, 6, 3, 7] and out[3][2] == 18.0
