@@ -1,34 +1,256 @@
-"""The op dispatcher (first version): ops whose inputs all share one layout run block by block.
+"""The op dispatcher: the five steps of seed 5.1 for every ATen op on DTensors.
 
-This covers what autograd itself needs on DTensors (detach, clone, gradient accumulation,
-``*_like``). Sharding propagation with strategies and a cost model replaces the table below.
+1. intercept (``DTensor.__torch_dispatch__`` calls ``dispatch``);
+2. unpack: DTensor arguments -> specs (the cache key) and local blocks;
+3. propagate: ``propagation.propagate`` picks input and output layouts (cached, bounded LRU);
+4. redistribute the inputs that need it, run the op on the local blocks;
+5. repack the local results as DTensors with the planned specs.
+
+A cache hit does steps 2, 4 and 5 only: one pass over the arguments to build the key, a dict
+lookup, the local op, and wrapping.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
+from shardwise.dispatch.propagation import OutputPlan, UnsupportedOp, flatten_outputs, propagate
+from shardwise.dispatch.strategy import OpSchema
 from shardwise.placement import Replicate
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.redistribute.execute import redistribute_local
+from shardwise.spec import DTensorSpec, TensorMeta, dtype_name
 
-__all__ = ["dispatch", "render_call"]
+__all__ = ["dispatch", "render_call", "clear_cache", "cache_info", "implicit_replication", "CACHE_SIZE"]
 
-aten = torch.ops.aten
-
-
-def _dtensor_cls():
-    from shardwise.dtensor import DTensor
-
-    return DTensor
+CACHE_SIZE = 4096
+_CACHE: OrderedDict = OrderedDict()
+_IMPLICIT = [False]
+_DTensor: type | None = None
 
 
+def _dtensor_cls() -> type:
+    global _DTensor
+    if _DTensor is None:
+        from shardwise.dtensor import DTensor
+
+        _DTensor = DTensor
+    return _DTensor
+
+
+def clear_cache() -> None:
+    """Forget every cached propagation (after registering a strategy, toggling the fallback)."""
+    _CACHE.clear()
+
+
+def cache_info() -> dict[str, int]:
+    return {"size": len(_CACHE), "max": CACHE_SIZE}
+
+
+class implicit_replication:
+    """Context manager: plain tensors mixed with DTensors count as replicated on the mesh.
+
+    Without it, mixing is an error (a plain tensor has no layout; assuming one silently is how
+    results go wrong). 0-dim tensors are scalars and are always allowed.
+    """
+
+    def __enter__(self) -> None:
+        self._before = _IMPLICIT[0]
+        _IMPLICIT[0] = True
+
+    def __exit__(self, *exc) -> None:
+        _IMPLICIT[0] = self._before
+
+
+# ---------------------------------------------------------------------- hot path
+def dispatch(func, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on DTensors: see the module docstring."""
+    DTensor = _DTensor or _dtensor_cls()
+    dtensors: list = []
+    key = (func, _key(args, dtensors, DTensor), _key(kwargs.items(), dtensors, DTensor) if kwargs else (), _IMPLICIT[0])
+    plan = _CACHE.get(key)
+    if plan is None:
+        plan = _propagate(func, args, kwargs, dtensors)
+        _CACHE[key] = plan
+        if len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    if plan.action == "run":
+        return _run(func, args, kwargs, dtensors, plan)
+    if plan.action == "custom":
+        return plan.handler(func, args, kwargs)
+    return plan.handler(*args, **kwargs)  # a decomposition: its ops dispatch again
+
+
+def _key(values, dtensors: list, DTensor: type) -> tuple:
+    """Hashable summary of arguments: specs for DTensors, metadata for plain tensors."""
+    out = []
+    for value in values:
+        if isinstance(value, DTensor):
+            dtensors.append(value)
+            out.append(value._spec)
+        elif isinstance(value, torch.Tensor):
+            out.append((value.dtype, value.shape, value.device.type))
+        elif isinstance(value, (list, tuple)):
+            out.append(_key(value, dtensors, DTensor))
+        else:
+            out.append(value)
+    return tuple(out)
+
+
+def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> Any:
+    if plan.moves_inputs:
+        blocks = iter(
+            dt._local_tensor if target is None else redistribute_local(dt._local_tensor, dt._spec, target)
+            for dt, target in zip(dtensors, plan.input_specs)
+        )
+    else:
+        blocks = iter(dt._local_tensor for dt in dtensors)
+    local_args = _swap(args, blocks)
+    local_kwargs = dict(zip(kwargs, _swap(kwargs.values(), blocks))) if kwargs else {}
+    if plan.rewrite is not None:
+        local_args, local_kwargs = plan.rewrite(local_args, local_kwargs, plan.output_specs)
+    out = func(*local_args, **local_kwargs)
+    return _repack(func, out, args, kwargs, plan.output_specs)
+
+
+def _swap(values, blocks) -> list:
+    """``values`` with every DTensor replaced by the next local block (one level of lists)."""
+    DTensor = _DTensor
+    out = []
+    for value in values:
+        if isinstance(value, DTensor):
+            out.append(next(blocks))
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], DTensor):
+            out.append(type(value)(next(blocks) if isinstance(v, DTensor) else v for v in value))
+        else:
+            out.append(value)
+    return out
+
+
+def _repack(func, out: Any, args: tuple, kwargs: dict, specs: tuple) -> Any:
+    """Wrap local results in DTensors; mutating ops return the very objects they mutated."""
+    if "out" in kwargs:
+        return kwargs["out"]
+    schema = func._schema
+    if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+        if not schema.returns:
+            return None
+        if isinstance(args[0], _DTensor):
+            return args[0]
+    DTensor = _DTensor
+    index = iter(specs)
+
+    def wrap(item):
+        spec = next(index, None)
+        return DTensor(item, spec, requires_grad=False) if spec is not None and isinstance(item, torch.Tensor) else item
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(type(o)(wrap(x) for x in o) if isinstance(o, (tuple, list)) else wrap(o) for o in out)
+    return wrap(out)
+
+
+# ---------------------------------------------------------------------- slow path
+def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
+    DTensor = _DTensor
+    describe = lambda: render_call(func, args, kwargs)  # noqa: E731
+    if not dtensors:
+        raise UnsupportedOp(f"{describe()}: no DTensor argument")
+    meshes = list(dict.fromkeys(dt._spec.mesh for dt in dtensors))
+    if len(meshes) > 1:
+        raise ValueError(
+            f"{describe()}: DTensors on different meshes: "
+            + " and ".join(m.describe() for m in meshes)
+            + "; redistribute them onto one mesh first"
+        )
+    mesh = meshes[0]
+    plain = _plain_tensors(args, kwargs, DTensor)
+    if plain and not _IMPLICIT[0]:
+        where, tensor = plain[0]
+        raise ValueError(
+            f"{describe()}: argument {where} is a plain tensor {_plain(tensor)} mixed with DTensors. "
+            "Make it a DTensor (distribute_tensor / DTensor.from_local), or use "
+            "`with shardwise.implicit_replication():` to treat plain tensors as replicated"
+        )
+    if plain:
+        return _ImplicitPlan(mesh)
+    schema = OpSchema(func, _specs_of(args, DTensor), tuple((k, v) for k, v in zip(kwargs, _specs_of(kwargs.values(), DTensor))), tuple(dt._spec for dt in dtensors))
+    meta_args, meta_kwargs = _to_meta(args, DTensor), dict(zip(kwargs, _to_meta(kwargs.values(), DTensor)))
+    return propagate(func, schema, tuple(meta_args), meta_kwargs, describe)
+
+
+def _ImplicitPlan(mesh) -> OutputPlan:
+    """Re-dispatch with plain tensors wrapped as replicated DTensors."""
+
+    def handler(func, args, kwargs):
+        wrap = lambda v: _as_replicate(v, mesh)  # noqa: E731
+        return func(*_map_plain(args, wrap), **dict(zip(kwargs, _map_plain(kwargs.values(), wrap))))
+
+    return OutputPlan("custom", handler=handler)
+
+
+def _as_replicate(t: torch.Tensor, mesh) -> Any:
+    DTensor = _DTensor
+    spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, TensorMeta.of(t))
+    return DTensor(t, spec, requires_grad=False)
+
+
+def _map_plain(values, fn) -> list:
+    DTensor = _DTensor
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.ndim > 0:
+            out.append(fn(v))
+        elif isinstance(v, (list, tuple)):
+            out.append(type(v)(_map_plain(v, fn)))
+        else:
+            out.append(v)
+    return out
+
+
+def _plain_tensors(args: tuple, kwargs: dict, DTensor: type) -> list[tuple[str, torch.Tensor]]:
+    """Non-scalar plain tensors in the call, with where they are (``#1``, ``#2[0]``, ``weight``)."""
+    found = []
+    for where, value in [(f"#{i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
+        items = [(where, value)] if not isinstance(value, (list, tuple)) else [(f"{where}[{j}]", v) for j, v in enumerate(value)]
+        found += [(w, v) for w, v in items if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.ndim > 0]
+    return found
+
+
+def _specs_of(values, DTensor: type) -> tuple:
+    out = []
+    for v in values:
+        if isinstance(v, DTensor):
+            out.append(v._spec)
+        elif isinstance(v, (list, tuple)):
+            out.append(tuple(_specs_of(v, DTensor)))
+        else:
+            out.append(v)
+    return tuple(out)
+
+
+def _to_meta(values, DTensor: type) -> list:
+    out = []
+    for v in values:
+        if isinstance(v, DTensor):
+            out.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta"))
+        elif isinstance(v, torch.Tensor):
+            out.append(v.to("meta"))
+        elif isinstance(v, (list, tuple)):
+            out.append(type(v)(_to_meta(v, DTensor)))
+        else:
+            out.append(v)
+    return out
+
+
+# ---------------------------------------------------------------------- rendering
 def render_call(func, args: tuple, kwargs: dict) -> str:
     """``aten.add.Tensor(f32[8@dp,4], f32[8,4]) on mesh(dp=4)``: the form every message uses."""
     DTensor = _dtensor_cls()
-    meshes = []
+    meshes: list = []
 
     def show(a: Any) -> str:
         if isinstance(a, DTensor):
@@ -43,50 +265,9 @@ def render_call(func, args: tuple, kwargs: dict) -> str:
 
     shown = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
     where = " and ".join(map(repr, meshes))
-    return f"{func}({', '.join(shown)})" + (f" on {where}" if where else "")
+    name = str(func).replace("aten::", "aten.").replace(".default", "")
+    return f"{name}({', '.join(shown)})" + (f" on {where}" if where else "")
 
 
 def _plain(t: torch.Tensor) -> str:
-    from shardwise.spec import dtype_name
-
-    return f"{dtype_name(t.dtype)}[{','.join(map(str, t.shape))}] (plain tensor)"
-
-
-# Ops that act element by element on inputs sharing one layout, keeping that layout.
-# Partial inputs stay Partial only for ops that commute with a linear reduction.
-_SAME_LAYOUT: dict[Any, bool] = {  # op -> keeps Partial(sum/avg)
-    aten.detach.default: True,
-    aten.alias.default: True,
-    aten.clone.default: True,
-    aten.add.Tensor: True,
-    aten.add_.Tensor: True,
-    aten.zeros_like.default: True,
-    aten.empty_like.default: True,
-    aten.copy_.default: True,
-    aten.ones_like.default: False,
-    aten.full_like.default: False,
-}
-
-
-def dispatch(func, args: tuple, kwargs: dict) -> Any:
-    """Run ``func`` on the local blocks of its DTensor arguments and wrap the results."""
-    DTensor = _dtensor_cls()
-    flat, _ = tree_flatten((args, kwargs))
-    specs = [a._spec for a in flat if isinstance(a, DTensor)]
-    plain = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0]
-    keeps_partial = _SAME_LAYOUT.get(func)
-    if keeps_partial is None or plain or len({s.placements for s in specs}) != 1 or len({s.mesh for s in specs}) != 1:
-        raise NotImplementedError(
-            f"shardwise has no sharding rule for {render_call(func, args, kwargs)}"
-        )
-    spec = specs[0]
-    if spec.has_partial and not (keeps_partial and all(p.reduce_op in ("sum", "avg") for p in spec.placements if p.is_partial())):
-        raise NotImplementedError(
-            f"{render_call(func, args, kwargs)}: pending reductions do not commute with this op"
-        )
-    unwrap: Callable = lambda a: a._local_tensor if isinstance(a, DTensor) else a
-    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-    if func._schema.name.endswith("_") or func is aten.copy_.default:
-        return args[0]
-    meta = TensorMeta(spec.shape, spec.tensor_meta.stride, out.dtype)
-    return DTensor(out, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=False)
+    return f"{dtype_name(t.dtype)}[{','.join(map(str, t.shape))}](plain)"

@@ -1,0 +1,217 @@
+"""Sharding propagation: from an op and its input specs to target input and output specs.
+
+Runs once per distinct (op, input specs, non-tensor arguments); the dispatcher caches the
+result. Output metadata (global shapes, dtypes) comes from running the op on meta tensors of the
+global shapes, so no strategy has to restate an op's shape semantics.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from shardwise.dispatch import registry
+from shardwise.dispatch.strategy import Candidate, OpSchema, choose, expand, replicate_all
+from shardwise.spec import DTensorSpec, TensorMeta
+
+__all__ = ["OutputPlan", "propagate", "UnsupportedOp", "fallback_enabled", "allow_replicate_fallback"]
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    """What the dispatcher does for one call signature.
+
+    ``action`` is "run" (redistribute inputs to ``input_specs``, run locally, wrap outputs with
+    ``output_specs``), "custom" (call ``handler``) or "decompose" (call ``handler``, a
+    decomposition that re-enters dispatch).
+    """
+
+    action: str
+    input_specs: tuple[DTensorSpec | None, ...] = ()
+    output_specs: tuple[DTensorSpec | None, ...] = ()
+    rewrite: Callable | None = None
+    handler: Callable | None = None
+
+    @property
+    def moves_inputs(self) -> bool:
+        return any(s is not None for s in self.input_specs)
+
+
+class UnsupportedOp(NotImplementedError):
+    """No sharding support for an op (the message says how to add it)."""
+
+
+_FALLBACK = [False]
+_WARNED: set = set()
+
+
+def fallback_enabled() -> bool:
+    return _FALLBACK[0]
+
+
+class allow_replicate_fallback:
+    """Context manager (or ``allow_replicate_fallback.set(True)``): gather the inputs of ops
+    without sharding support and run them replicated, warning once per op. Off by default:
+    silently gathering a large tensor is how distributed programs run out of memory."""
+
+    def __enter__(self) -> None:
+        self._before = _FALLBACK[0]
+        _set_fallback(True)
+
+    def __exit__(self, *exc) -> None:
+        _set_fallback(self._before)
+
+    @staticmethod
+    def set(enabled: bool) -> None:
+        _set_fallback(enabled)
+
+
+def _set_fallback(enabled: bool) -> None:
+    if _FALLBACK[0] != enabled:
+        _FALLBACK[0] = enabled
+        from shardwise.dispatch.dispatcher import clear_cache
+
+        clear_cache()
+
+
+def propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, describe: Callable[[], str]) -> OutputPlan:
+    """Decide the layouts for one call (see the module docstring for the priority order)."""
+    registration = registry.lookup(op)
+    if registration is not None and registration.kind == "custom":
+        return OutputPlan("custom", handler=registration.fn)
+    if registration is None:
+        decomposition = _decomposition(op)
+        if decomposition is not None:
+            return OutputPlan("decompose", handler=decomposition)
+        if not fallback_enabled():
+            raise UnsupportedOp(_unsupported_message(op, describe()))
+    outputs = _meta_outputs(op, meta_args, meta_kwargs, describe)
+    if registration is None:
+        _warn_fallback(op, describe())
+        candidate = replicate_all(schema, len(outputs))
+    else:
+        candidate = _candidate(op, schema, registration, len(outputs), describe)
+    return _plan(schema, candidate, outputs)
+
+
+def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, describe) -> Candidate:
+    if registration.kind == "rule":
+        candidates = [registration.fn(schema)]
+    elif registration.per_axis:
+        candidates = expand(registration.fn(schema), num_outputs, schema.mesh.ndim)
+    else:
+        candidates = registration.fn(schema)
+    candidates = [c for c in candidates if c is not None and _keeps_mutated(op, schema, c)]
+    best = choose(schema, candidates)
+    if best is None:
+        if fallback_enabled():
+            _warn_fallback(op, describe())
+            return replicate_all(schema, num_outputs)
+        raise UnsupportedOp(
+            f"{describe()}: no layout of the inputs supports this op"
+            + (" in place (the mutated tensor cannot change its layout)" if _mutated_inputs(op) else "")
+        )
+    return best
+
+
+def _plan(schema: OpSchema, candidate: Candidate, outputs: list) -> OutputPlan:
+    inputs = tuple(
+        None if target is None or target == spec.placements else spec.with_placements(target)
+        for spec, target in zip(schema.specs, candidate.inputs)
+    )
+    mesh = schema.mesh
+    specs = []
+    for meta, placements in zip(outputs, candidate.outputs):
+        if isinstance(meta, torch.Tensor) and placements is not None:
+            specs.append(DTensorSpec(mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype)))
+        else:
+            specs.append(None)
+    return OutputPlan("run", inputs, tuple(specs), candidate.rewrite)
+
+
+# ---------------------------------------------------------------------- mutation
+def _mutated_inputs(op: Any) -> list[str]:
+    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _keeps_mutated(op: Any, schema: OpSchema, candidate: Candidate) -> bool:
+    """A mutated DTensor keeps its layout: its input target and its output equal its placements."""
+    names = _mutated_inputs(op)
+    if not names:
+        return True
+    mutated = _mutated_spec_indices(op, schema, names)
+    for i in mutated:
+        current = schema.specs[i].placements
+        if candidate.inputs[i] not in (None, current):
+            return False
+    # In-place ops return self first; out= ops return the out tensors in order.
+    for out_index, i in enumerate(mutated[: len(candidate.outputs)]):
+        if candidate.outputs[out_index] not in (None, schema.specs[i].placements):
+            return False
+    return True
+
+
+def _mutated_spec_indices(op: Any, schema: OpSchema, names: list[str]) -> list[int]:
+    """Positions in ``schema.specs`` of the DTensors passed for the mutated arguments."""
+    positions, index = [], 0
+    kwargs = dict(schema.kwargs)
+    for pos, argument in enumerate(op._schema.arguments):
+        value = schema.args[pos] if pos < len(schema.args) and not argument.kwarg_only else kwargs.get(argument.name)
+        count = _count_specs(value)
+        if argument.name in names:
+            positions += range(index, index + count)
+        index += count
+    return positions
+
+
+def _count_specs(value: Any) -> int:
+    if isinstance(value, DTensorSpec):
+        return 1
+    if isinstance(value, (list, tuple)):
+        return sum(isinstance(v, DTensorSpec) for v in value)
+    return 0
+
+
+# ---------------------------------------------------------------------- metadata
+def _meta_outputs(op: Any, meta_args: tuple, meta_kwargs: dict, describe) -> list:
+    """The op's outputs, flattened, computed on meta tensors of the global shapes."""
+    try:
+        out = op(*meta_args, **meta_kwargs)
+    except Exception as err:  # an op with no meta kernel
+        if not any(r.type.kind().startswith("Tensor") or "Tensor" in str(r.type) for r in op._schema.returns):
+            return [None] * len(op._schema.returns)
+        raise UnsupportedOp(f"{describe()}: cannot compute output shapes on meta tensors ({err})") from None
+    return flatten_outputs(out)
+
+
+def flatten_outputs(out: Any) -> list:
+    """An op's result as a flat list (tuples and lists of tensors opened one level)."""
+    if isinstance(out, (tuple, list)):
+        flat = []
+        for item in out:
+            flat += list(item) if isinstance(item, (tuple, list)) else [item]
+        return flat
+    return [out]
+
+
+def _decomposition(op: Any) -> Callable | None:
+    from torch._decomp import decomposition_table
+
+    return decomposition_table.get(op)
+
+
+def _warn_fallback(op: Any, call: str) -> None:
+    if op not in _WARNED:
+        _WARNED.add(op)
+        warnings.warn(f"shardwise: replicating every input of {call} (no sharding support for {op})", stacklevel=4)
+
+
+def _unsupported_message(op: Any, call: str) -> str:
+    return (
+        f"shardwise has no sharding support for {call}. Register one with "
+        f"@shardwise.register_sharding({op}) (per-axis placements), or run it replicated with "
+        "`with shardwise.allow_replicate_fallback():`"
+    )

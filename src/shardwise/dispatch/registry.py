@@ -1,0 +1,127 @@
+"""Where ops get their sharding support, by op overload, in priority order.
+
+1. custom handler: takes the whole call (random ops, loss_parallel); no propagation.
+2. strategy: candidate layouts, scored by redistribute cost (``strategy.choose``).
+3. rule: one layout computed directly from the inputs.
+4. decomposition: torch's decomposition of the op into ops that have support.
+5. replicate-everything fallback: off by default (``allow_replicate_fallback``).
+
+An op lives in exactly one of the first three registries. Registries are open: users register
+their own ops with ``register_sharding`` (per-axis candidates) or the decorators below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+__all__ = [
+    "register_custom_handler", "register_strategy", "register_rule", "register_sharding",
+    "lookup", "Registration",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """How one op is supported: ``kind`` is "custom", "strategy" or "rule"."""
+
+    kind: str
+    fn: Callable
+    per_axis: bool = False
+
+
+_REGISTRY: dict[Any, Registration] = {}
+
+
+def _overloads(ops: Iterable[Any]) -> list[Any]:
+    """Every OpOverload named: packets (``aten.add``) stand for all their overloads."""
+    out = []
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            out += [getattr(op, name) for name in op.overloads()]
+        else:
+            out.append(op)
+    return out
+
+
+def _register(ops: Iterable[Any], registration: Registration, replace: bool) -> None:
+    for op in _overloads(ops):
+        existing = _REGISTRY.get(op)
+        if existing is not None and not replace and existing.kind != registration.kind:
+            raise ValueError(
+                f"{op} already has a sharding {existing.kind}; an op is registered in one place only"
+            )
+        _REGISTRY[op] = registration
+    _invalidate_caches()
+
+
+def _invalidate_caches() -> None:
+    from shardwise.dispatch import dispatcher
+
+    dispatcher.clear_cache()
+
+
+def register_custom_handler(*ops: Any, replace: bool = False) -> Callable:
+    """Decorator: ``fn(op, args, kwargs) -> result`` handles the whole call for ``ops``."""
+
+    def wrap(fn: Callable) -> Callable:
+        _register(ops, Registration("custom", fn), replace)
+        return fn
+
+    return wrap
+
+
+def register_strategy(*ops: Any, per_axis: bool = True, replace: bool = False) -> Callable:
+    """Decorator: ``fn(schema) -> candidates`` for ``ops``.
+
+    With ``per_axis`` (the default) candidates are for ONE mesh axis: tuples of placements,
+    outputs first then DTensor inputs (None for "not a DTensor"); they are expanded to every
+    axis. Otherwise ``fn`` returns full ``Candidate`` objects.
+    """
+
+    def wrap(fn: Callable) -> Callable:
+        _register(ops, Registration("strategy", fn, per_axis), replace)
+        return fn
+
+    return wrap
+
+
+def register_rule(*ops: Any, replace: bool = False) -> Callable:
+    """Decorator: ``fn(schema) -> Candidate`` computes the one layout for ``ops`` directly."""
+
+    def wrap(fn: Callable) -> Callable:
+        _register(ops, Registration("rule", fn), replace)
+        return fn
+
+    return wrap
+
+
+def register_sharding(op: Any, *, replace: bool = True) -> Callable:
+    """Public: teach shardwise how to shard ``op`` (an aten op or a ``torch.library`` custom op).
+
+    The decorated function receives an ``OpSchema`` (``schema.specs`` are the inputs' specs,
+    ``schema.args`` the call's arguments with specs in place of DTensors) and returns the
+    layouts the op accepts on ONE mesh axis, as ``(output_placements, input_placements)``
+    pairs of lists. shardwise expands them to every mesh axis and picks the cheapest.
+
+    Example:
+        >>> @shardwise.register_sharding(torch.ops.mylib.scale.default)
+        ... def _(schema):
+        ...     return [([Shard(0)], [Shard(0)]), ([Replicate()], [Replicate()])]
+    """
+
+    def wrap(fn: Callable) -> Callable:
+        def per_axis(schema):
+            return [tuple(outs) + tuple(ins) for outs, ins in fn(schema)]
+
+        _register([op], Registration("strategy", per_axis, True), replace)
+        return fn
+
+    return wrap
+
+
+def lookup(op: Any) -> Registration | None:
+    """The registration of ``op``, if any."""
+    return _REGISTRY.get(op)

@@ -1,0 +1,370 @@
+"""Placement-independent random numbers: every element's value is a hash of its global index.
+
+Why: a random DTensor must hold the same global values whatever its mesh and placements,
+and each rank must compute only its own block. A sequential generator (torch's) cannot do
+that without drawing the whole global tensor everywhere. A counter-based generator can:
+
+    word(i) = mix(key(seed), counter),   counter = offset + words_per_element * i + j
+
+where ``i`` is the element's linear index in the GLOBAL tensor (row-major over the global
+shape, whatever block holds it), ``j`` picks one of the element's words (normal float64 uses
+two), ``offset`` is the position of this op in the process's random stream and ``mix`` is the
+SplitMix64 construction: ``counter * 0x9E3779B97F4A7C15 + key`` followed by its 64-bit
+finalizer (xor-shift-multiply twice, xor-shift). Distinct counters give distinct words (every
+step is a bijection of the 64-bit integers); the output sequence is SplitMix64's, which passes
+BigCrush. Words become values as follows:
+
+* uniform: the top ``m`` bits times ``2**-m``, ``m`` the dtype's significand bits (53 for
+  float64, 24 float32, 11 float16, 8 bfloat16), so every value is exact in the dtype and
+  lies in [0, 1), never 1.0.
+* normal: Box-Muller, ``sqrt(-2 ln u1) * cos(2 pi u2)``. float64 takes u1 and u2 (53 bits
+  each, u1 in (0, 1]) from two words; other dtypes take a 32-bit u1 and a 24-bit u2 from one
+  word, compute in float32 and cast (|value| <= 6.8).
+* bernoulli: ``u < p`` with u the 53-bit uniform.
+
+Cost: the index arithmetic (one broadcast add over the block), 11 int64 ops for the hash, a
+few more to turn bits into floats (plus log, sqrt and cos for normal): a few dozen elementwise
+torch ops per element, O(local numel) time and memory, no communication. Each op is exact (int
+arithmetic wraps modulo 2**64, floats are scaled by powers of two) or elementwise, so a value
+does not depend on which block, or which position in a block, computes it. (Ranks must run the
+same torch build on the same kind of CPU/GPU: log and cos are not bit-identical across
+builds.)
+
+Stream state: each process has one ``RNGState`` (seed, offset). Its seed follows
+``torch.initial_seed()``: it is re-read before every draw, and when it changed (the user called
+``torch.manual_seed`` with a new seed) the offset restarts at 0. ``manual_seed`` here sets the
+torch seed and restarts the stream even when the seed is unchanged; ``torch.manual_seed`` with
+the seed already in use is not noticed. Every random op consumes the GLOBAL element count times
+its words per element (rounded up to a multiple of 4) from the offset, so successive ops
+differ and every rank advances identically (SPMD: every rank runs the same ops), whatever its
+block. Ranks must therefore be seeded identically; torch seeds every process differently by
+default.
+
+The values are NOT torch's generator's values: ``shardwise.randn`` equals itself across
+layouts, not ``torch.randn`` after the same seed.
+
+Example:
+    >>> whole = uniform((4, 6), (0, 0), (4, 6), seed=7, offset=0)
+    >>> torch.equal(uniform((4, 6), (1, 2), (2, 3), seed=7, offset=0), whole[1:3, 2:5])
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "RNGState",
+    "bernoulli",
+    "draw",
+    "get_rng_state",
+    "manual_seed",
+    "mix64",
+    "next_offset",
+    "normal",
+    "random_bits",
+    "random_block",
+    "set_rng_state",
+    "uniform",
+    "words_per_element",
+]
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, odd: counter * gamma is a bijection
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_KEY_SALT = 0x5EED5EED5EED5EED  # so that seed 0 does not map to key 0
+_OFFSET_ALIGN = 4
+_TWO_PI = 2.0 * math.pi
+# Significand bits (with the implicit one) of the float dtypes uniform draws exactly.
+_SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+KINDS = ("uniform", "normal", "bernoulli")
+
+
+# ---------------------------------------------------------------------- 64-bit helpers
+def _signed(value: int) -> int:
+    """``value`` modulo 2**64 as the int64 with the same bits (torch scalars must fit int64)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's finalizer on a Python int: the reference the tensor code must match."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _key(seed: int) -> int:
+    """The 64-bit hash key of a seed; hashing spreads nearby seeds over the whole key space."""
+    return mix64(int(seed) + _KEY_SALT)
+
+
+def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor) -> None:
+    """``x ^= x >>> shift`` in place; torch's ``>>`` on int64 is arithmetic, so mask the sign."""
+    torch.bitwise_right_shift(x, shift, out=scratch)
+    scratch.bitwise_and_((1 << (64 - shift)) - 1)
+    x.bitwise_xor_(scratch)
+
+
+def _finalize_(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on an int64 tensor, in place (multiplication wraps mod 2**64)."""
+    scratch = torch.empty_like(x)
+    _xorshift_(x, 30, scratch)
+    x.mul_(_signed(_MIX1))
+    _xorshift_(x, 27, scratch)
+    x.mul_(_signed(_MIX2))
+    _xorshift_(x, 31, scratch)
+    return x
+
+
+def _top_bits(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The ``bits`` most significant bits of each word, as a non-negative int64."""
+    return (words >> (64 - bits)).bitwise_and_((1 << bits) - 1)
+
+
+# ---------------------------------------------------------------------- blocks
+def _check_block(global_shape: Sequence[int], block_offset: Sequence[int], block_shape: Sequence[int]) -> None:
+    """Reject blocks that do not lie inside the global tensor (they would alias other elements)."""
+    if not len(global_shape) == len(block_offset) == len(block_shape):
+        raise ValueError(f"block offset {tuple(block_offset)} and shape {tuple(block_shape)} "
+                         f"do not match the rank of global shape {tuple(global_shape)}")
+    for size, start, length in zip(global_shape, block_offset, block_shape):
+        if length < 0 or start < 0 or (length > 0 and start + length > size):
+            raise ValueError(f"block at {tuple(block_offset)} of shape {tuple(block_shape)} "
+                             f"is outside global shape {tuple(global_shape)}")
+
+
+def random_bits(
+    global_shape: Sequence[int],
+    block_offset: Sequence[int],
+    block_shape: Sequence[int],
+    *,
+    seed: int,
+    offset: int,
+    words: int = 1,
+    word: int = 0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """64 random bits (int64) per element of a block: ``mix(key(seed), offset + words*i + word)``.
+
+    ``i`` is the element's row-major index in the global tensor. The counter times gamma is
+    built as a broadcast sum of one small vector per dim, so the index costs about one
+    elementwise op over the block.
+    """
+    _check_block(global_shape, block_offset, block_shape)
+    step = _GAMMA * words  # counter * gamma = base + i * step, all modulo 2**64
+    base = torch.tensor(_signed((offset + word) * _GAMMA + _key(seed)), dtype=torch.int64, device=device)
+    x, stride = base, 1
+    for dim in reversed(range(len(global_shape))):
+        start, length = block_offset[dim], block_shape[dim]
+        along = torch.arange(start, start + length, dtype=torch.int64, device=device)
+        along.mul_(_signed(step * stride))
+        x = x + along.view((length,) + (1,) * (len(global_shape) - 1 - dim))
+        stride *= global_shape[dim]
+    return _finalize_(x.clone() if x is base else x)
+
+
+def _significand_bits(dtype: torch.dtype) -> int:
+    bits = _SIGNIFICAND_BITS.get(dtype)
+    if bits is None:
+        raise TypeError(f"random floats need a float dtype (float64/32/16, bfloat16), got {dtype}")
+    return bits
+
+
+def uniform(
+    global_shape: Sequence[int],
+    block_offset: Sequence[int],
+    block_shape: Sequence[int],
+    *,
+    seed: int,
+    offset: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Uniform [0, 1) values of one block of a global random tensor (see the module docstring).
+
+    Example:
+        >>> uniform((10,), (4,), (3,), seed=0, offset=0)  # elements 4, 5, 6 of the whole
+    """
+    bits = _significand_bits(dtype)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    words = random_bits(global_shape, block_offset, block_shape, seed=seed, offset=offset, device=device)
+    values = _top_bits(words, bits).to(work).mul_(2.0 ** -bits)
+    return values.to(dtype)
+
+
+def normal(
+    global_shape: Sequence[int],
+    block_offset: Sequence[int],
+    block_shape: Sequence[int],
+    *,
+    seed: int,
+    offset: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Standard normal values of one block (Box-Muller; two words per element for float64)."""
+    _significand_bits(dtype)
+    args = (global_shape, block_offset, block_shape)
+    if dtype == torch.float64:
+        first = random_bits(*args, seed=seed, offset=offset, words=2, word=0, device=device)
+        second = random_bits(*args, seed=seed, offset=offset, words=2, word=1, device=device)
+        radius_u = _top_bits(first, 53).add_(1).to(torch.float64).mul_(2.0 ** -53)  # (0, 1]
+        angle_u = _top_bits(second, 53).to(torch.float64).mul_(_TWO_PI * 2.0 ** -53)
+    else:
+        word = random_bits(*args, seed=seed, offset=offset, device=device)
+        radius_u = _top_bits(word, 32).to(torch.float32).add_(0.5).mul_(2.0 ** -32)  # (0, 1]
+        angle_u = (word >> 8).bitwise_and_((1 << 24) - 1).to(torch.float32).mul_(_TWO_PI * 2.0 ** -24)
+    radius = radius_u.log_().mul_(-2.0).sqrt_()
+    return radius.mul_(angle_u.cos_()).to(dtype)
+
+
+def bernoulli(
+    p: float | torch.Tensor,
+    global_shape: Sequence[int],
+    block_offset: Sequence[int],
+    block_shape: Sequence[int],
+    *,
+    seed: int,
+    offset: int,
+    dtype: torch.dtype = torch.bool,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """1 with probability ``p`` (a float, or a tensor broadcastable to the block), else 0.
+
+    An element is 1 when its 53-bit uniform ``u`` is below ``p``: ``p`` of 0 and 1 are exact.
+    """
+    words = random_bits(global_shape, block_offset, block_shape, seed=seed, offset=offset, device=device)
+    k = _top_bits(words, 53)
+    if isinstance(p, torch.Tensor):
+        hits = k.to(torch.float64).mul_(2.0 ** -53) < p.to(device=k.device, dtype=torch.float64)
+    else:
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"bernoulli probability must be in [0, 1], got {p}")
+        hits = k < math.ceil(p * 2.0 ** 53)  # k * 2**-53 < p, exactly
+    return hits.to(dtype)
+
+
+def words_per_element(kind: str, dtype: torch.dtype) -> int:
+    """How many counters one element of ``kind`` uses: 2 for float64 normal, else 1."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown random kind {kind!r}; expected one of {KINDS}")
+    return 2 if kind == "normal" and dtype == torch.float64 else 1
+
+
+# ---------------------------------------------------------------------- stream state
+@dataclass
+class RNGState:
+    """The process's random stream: a seed and the next unused counter.
+
+    ``torch_seed`` is the ``torch.initial_seed()`` seen last; a different value on the next
+    draw means the user reseeded torch, and the stream restarts from that seed.
+    """
+
+    seed: int | None = None
+    offset: int = 0
+    torch_seed: int | None = None
+
+    def sync(self) -> None:
+        """Follow ``torch.manual_seed``: adopt torch's seed when it changed since last seen."""
+        current = torch.initial_seed()
+        if current != self.torch_seed:
+            self.seed, self.offset, self.torch_seed = current, 0, current
+
+    def reset(self, seed: int) -> None:
+        """Restart the stream at ``seed`` (offset 0), remembering torch's current seed."""
+        self.seed, self.offset, self.torch_seed = int(seed) & _MASK64, 0, torch.initial_seed()
+
+    def take(self, count: int) -> tuple[int, int]:
+        """Reserve ``count`` counters (rounded up to a multiple of 4): returns (seed, first)."""
+        if count < 0:
+            raise ValueError(f"cannot reserve {count} random counters")
+        self.sync()
+        first = self.offset
+        self.offset += -(-count // _OFFSET_ALIGN) * _OFFSET_ALIGN
+        return self.seed, first
+
+
+_STATE = RNGState()
+
+
+def manual_seed(seed: int) -> None:
+    """Seed torch and restart shardwise's stream at ``seed``, even if that seed is in use.
+
+    Call it with the same seed on every rank.
+    """
+    torch.manual_seed(seed)
+    _STATE.reset(torch.initial_seed())
+
+
+def next_offset(numel: int) -> int:
+    """Reserve ``numel`` counters of the process's stream and return the first one.
+
+    Every rank must reserve the same counts in the same order (pass GLOBAL element counts).
+    """
+    return _STATE.take(numel)[1]
+
+
+def get_rng_state() -> tuple[int, int]:
+    """(seed, offset) of the process's stream, e.g. to replay a dropout mask in a recompute."""
+    _STATE.sync()
+    return _STATE.seed, _STATE.offset
+
+
+def set_rng_state(state: tuple[int, int]) -> None:
+    """Restore a state from ``get_rng_state``; the seed stays until torch is reseeded."""
+    seed, offset = state
+    _STATE.reset(seed)
+    _STATE.offset = offset
+
+
+# ---------------------------------------------------------------------- draws
+def draw(
+    kind: str,
+    global_shape: Sequence[int],
+    block_offset: Sequence[int],
+    block_shape: Sequence[int],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    p: float | torch.Tensor = 0.5,
+) -> torch.Tensor:
+    """One block of a fresh global random tensor from the process's stream.
+
+    Consumes the counters of the WHOLE tensor, so call it on every rank, also on ranks that
+    hold an empty block. ``kind``: "uniform", "normal" or "bernoulli" (probability ``p``;
+    dtype defaults to bool there and to the default float dtype otherwise).
+    """
+    dtype = dtype or (torch.bool if kind == "bernoulli" else torch.get_default_dtype())
+    numel = math.prod(global_shape)
+    seed, offset = _STATE.take(numel * words_per_element(kind, dtype))
+    options = {"seed": seed, "offset": offset, "dtype": dtype, "device": device}
+    if kind == "bernoulli":
+        return bernoulli(p, global_shape, block_offset, block_shape, **options)
+    generate = uniform if kind == "uniform" else normal
+    return generate(global_shape, block_offset, block_shape, **options)
+
+
+def random_block(kind: str, spec, *, p: float | torch.Tensor = 0.5) -> torch.Tensor:
+    """This rank's local tensor of a random DTensor with ``spec`` (a ``DTensorSpec``).
+
+    Shard axes cut the block; on Partial axes the value sits on axis-rank 0 for sum (zeros
+    elsewhere) and everywhere for avg/max/min, so the reduction gives the random value back.
+    Bernoulli blocks take the spec's dtype too.
+    """
+    local_shape, local_offset = spec.local_shape_and_offset()
+    mesh = spec.mesh
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else mesh.device_type
+    local = draw(kind, tuple(spec.shape), local_offset, local_shape, dtype=spec.dtype, device=device, p=p)
+    coordinate = mesh.get_coordinate()
+    if coordinate is not None:
+        for axis, placement in enumerate(spec.placements):
+            if placement.is_partial():
+                local = placement.partition_value(local, coordinate[axis])
+    return local
