@@ -4,6 +4,7 @@ The public names mirror ``torch.distributed.tensor`` so that switching imports i
 """
 
 from shardwise.api import distribute_tensor, empty, full, ones, rand, randn, zeros
+from shardwise.dispatch import allow_replicate_fallback, implicit_replication, register_sharding
 from shardwise.dtensor import DTensor
 from shardwise.mesh import DeviceMesh, init_device_mesh
 from shardwise.placement import Partial, Placement, Replicate, Shard
@@ -14,4 +15,5 @@ __all__ = [
     "Placement", "Shard", "Replicate", "Partial",
     "DTensorSpec", "TensorMeta", "DTensor",
     "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
+    "implicit_replication", "allow_replicate_fallback", "register_sharding",
 ]

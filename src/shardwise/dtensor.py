@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from shardwise import comm
+from shardwise.dispatch import dispatch
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, Replicate, Shard
 from shardwise.redistribute.function import FromLocal, Redistribute, ToLocal
@@ -52,8 +53,6 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from shardwise.dispatch import dispatch
-
         return dispatch(func, args, kwargs or {})
 
     # ------------------------------------------------------------------ layout

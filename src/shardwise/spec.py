@@ -9,7 +9,7 @@ tile the global tensor exactly once (a property test checks it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -79,7 +79,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class DTensorSpec:
     """Mesh, one placement per mesh axis, and the global tensor metadata.
 
@@ -91,10 +91,27 @@ class DTensorSpec:
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     tensor_meta: TensorMeta | None = None
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         placements = _validated(self.mesh, self.placements, self.tensor_meta)
         object.__setattr__(self, "placements", placements)
+        # Hashed on every dispatch as part of the cache key: compute it once.
+        object.__setattr__(self, "_hash", hash((self.mesh, placements, self.tensor_meta)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (
+            isinstance(other, DTensorSpec)
+            and self._hash == other._hash
+            and self.placements == other.placements
+            and self.tensor_meta == other.tensor_meta
+            and self.mesh == other.mesh
+        )
 
     # ------------------------------------------------------------------ shape
     @property

@@ -12,6 +12,7 @@ lookup, the local op, and wrapping.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Any
 
@@ -72,7 +73,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     key = (func, _key(args, dtensors, DTensor), _key(kwargs.items(), dtensors, DTensor) if kwargs else (), _IMPLICIT[0])
     plan = _CACHE.get(key)
     if plan is None:
-        plan = _propagate(func, args, kwargs, dtensors)
+        plan = _with_positions(_propagate(func, args, kwargs, dtensors), args, kwargs, len(dtensors))
         _CACHE[key] = plan
         if len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
@@ -83,6 +84,17 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if plan.action == "custom":
         return plan.handler(func, args, kwargs)
     return plan.handler(*args, **kwargs)  # a decomposition: its ops dispatch again
+
+
+def _with_positions(plan: OutputPlan, args: tuple, kwargs: dict, count: int) -> OutputPlan:
+    """Record where the DTensors sit when they are all top-level positional arguments."""
+    if plan.action != "run":
+        return plan
+    DTensor = _DTensor
+    positions = tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
+    if len(positions) != count:
+        return plan
+    return dataclasses.replace(plan, positions=positions)
 
 
 def _key(values, dtensors: list, DTensor: type) -> tuple:
@@ -103,18 +115,30 @@ def _key(values, dtensors: list, DTensor: type) -> tuple:
 
 def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> Any:
     if plan.moves_inputs:
-        blocks = iter(
+        blocks = [
             dt._local_tensor if target is None else redistribute_local(dt._local_tensor, dt._spec, target)
             for dt, target in zip(dtensors, plan.input_specs)
-        )
+        ]
     else:
-        blocks = iter(dt._local_tensor for dt in dtensors)
-    local_args = _swap(args, blocks)
-    local_kwargs = dict(zip(kwargs, _swap(kwargs.values(), blocks))) if kwargs else {}
+        blocks = [dt._local_tensor for dt in dtensors]
+    if plan.positions is not None:
+        local_args = list(args)
+        for position, block in zip(plan.positions, blocks):
+            local_args[position] = block
+        local_kwargs = kwargs
+    else:
+        it = iter(blocks)
+        local_args = _swap(args, it)
+        local_kwargs = dict(zip(kwargs, _swap(kwargs.values(), it))) if kwargs else {}
     if plan.rewrite is not None:
         local_args, local_kwargs = plan.rewrite(local_args, local_kwargs, plan.output_specs)
     out = func(*local_args, **local_kwargs)
-    return _repack(func, out, args, kwargs, plan.output_specs)
+    returns = plan.returns
+    if returns == "wrap":
+        return _repack(out, plan.output_specs)
+    if returns == "self":
+        return args[0]
+    return kwargs["out"] if returns == "out" else None
 
 
 def _swap(values, blocks) -> list:
@@ -131,26 +155,19 @@ def _swap(values, blocks) -> list:
     return out
 
 
-def _repack(func, out: Any, args: tuple, kwargs: dict, specs: tuple) -> Any:
-    """Wrap local results in DTensors; mutating ops return the very objects they mutated."""
-    if "out" in kwargs:
-        return kwargs["out"]
-    schema = func._schema
-    if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
-        if not schema.returns:
-            return None
-        if isinstance(args[0], _DTensor):
-            return args[0]
+def _repack(out: Any, specs: tuple) -> Any:
+    """Wrap local results in DTensors with the planned specs (one level of tuples/lists)."""
     DTensor = _DTensor
+    if not isinstance(out, (tuple, list)):
+        spec = specs[0] if specs else None
+        return DTensor(out, spec, requires_grad=False) if spec is not None else out
     index = iter(specs)
 
     def wrap(item):
         spec = next(index, None)
         return DTensor(item, spec, requires_grad=False) if spec is not None and isinstance(item, torch.Tensor) else item
 
-    if isinstance(out, (tuple, list)):
-        return type(out)(type(o)(wrap(x) for x in o) if isinstance(o, (tuple, list)) else wrap(o) for o in out)
-    return wrap(out)
+    return type(out)(type(o)(wrap(x) for x in o) if isinstance(o, (tuple, list)) else wrap(o) for o in out)
 
 
 # ---------------------------------------------------------------------- slow path

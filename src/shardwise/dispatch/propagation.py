@@ -34,10 +34,11 @@ class OutputPlan:
     output_specs: tuple[DTensorSpec | None, ...] = ()
     rewrite: Callable | None = None
     handler: Callable | None = None
-
-    @property
-    def moves_inputs(self) -> bool:
-        return any(s is not None for s in self.input_specs)
+    returns: str = "wrap"  # "wrap" new DTensors, "self" / "out" the mutated argument, "none"
+    moves_inputs: bool = False
+    # Positions of the DTensors among the positional arguments, when that is all there is
+    # (no DTensor inside a list or a keyword): lets the hot path swap blocks in directly.
+    positions: tuple[int, ...] | None = None
 
 
 class UnsupportedOp(NotImplementedError):
@@ -129,7 +130,21 @@ def _plan(schema: OpSchema, candidate: Candidate, outputs: list) -> OutputPlan:
             specs.append(DTensorSpec(mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype)))
         else:
             specs.append(None)
-    return OutputPlan("run", inputs, tuple(specs), candidate.rewrite)
+    moves = any(s is not None for s in inputs)
+    return OutputPlan("run", inputs, tuple(specs), candidate.rewrite, returns=_returns(schema), moves_inputs=moves)
+
+
+def _returns(schema: OpSchema) -> str:
+    """What a call returns: new tensors, or the very argument it mutated (in place / out=)."""
+    if any(name == "out" for name, _ in schema.kwargs):
+        return "out"
+    arguments = schema.op._schema.arguments
+    if arguments and arguments[0].alias_info is not None and arguments[0].alias_info.is_write:
+        if not schema.op._schema.returns:
+            return "none"
+        if isinstance(schema.args[0], DTensorSpec):
+            return "self"
+    return "wrap"
 
 
 # ---------------------------------------------------------------------- mutation
