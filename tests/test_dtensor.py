@@ -120,30 +120,60 @@ def test_bad_layouts_raise_clearly_on_every_rank(dist, kind, match):
     dist.run_expect_error(4, _bad_placements, kind, match=match, exc_type=ValueError)
 
 
+RANDOM_LAYOUTS = [[Shard(0), Shard(1)], [Shard(1), Replicate()], [Replicate(), Replicate()], [Shard(0), Shard(0)]]
+
+
+def _random_across_layouts(mesh_shape):
+    """randn/rand of an uneven (5, 7) tensor in every RANDOM_LAYOUTS layout, each from seed 7."""
+    from shardwise import random as sw_random
+
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    out = []
+    for placements in RANDOM_LAYOUTS:
+        sw_random.manual_seed(7)
+        normal = sw.randn(5, 7, device_mesh=mesh, placements=placements)
+        uniform = sw.rand((5, 7), device_mesh=mesh, placements=placements, dtype=torch.float64)
+        out.append((normal.full_tensor(), uniform.full_tensor(), normal.to_local().shape))
+    torch.manual_seed(8)  # a new torch seed restarts the stream from it
+    reseeded = sw.randn(5, 7, device_mesh=mesh, placements=RANDOM_LAYOUTS[0]).full_tensor()
+    following = sw.randn(5, 7, device_mesh=mesh, placements=RANDOM_LAYOUTS[0]).full_tensor()
+    return out, reseeded, following
+
+
 def _factories():
+    from shardwise import random as sw_random
+
     mesh = _mesh22()
-    torch.manual_seed(7)
-    r_sharded = sw.randn(5, 6, device_mesh=mesh, placements=[Shard(0), Shard(1)]).full_tensor()
-    torch.manual_seed(7)
-    u_sharded = sw.rand((5, 6), device_mesh=mesh, placements=[Shard(1), Replicate()]).full_tensor()
     ones_p = sw.ones(4, 2, device_mesh=mesh, placements=[Partial(), Shard(0)])
+    sw_random.manual_seed(7)
+    rand_p = sw.rand(4, 2, device_mesh=mesh, placements=[Partial(), Shard(0)])
     return (
-        r_sharded, u_sharded, ones_p.full_tensor(), sw.zeros(3, 3, device_mesh=mesh, placements=[Shard(0), Shard(0)]).to_local().shape,
+        ones_p.full_tensor(), sw.zeros(3, 3, device_mesh=mesh, placements=[Shard(0), Shard(0)]).to_local().shape,
         sw.full((2, 3), 7.0, device_mesh=mesh, placements=[Replicate(), Shard(1)]).full_tensor(),
         sw.empty(8, device_mesh=mesh, placements=[Shard(0), Shard(0)]).to_local().shape,
         sw.zeros(4, device_mesh=mesh, dtype=torch.float64, requires_grad=True).requires_grad,
+        rand_p.full_tensor(), rand_p.to_local(),
     )
 
 
 def test_factories_allocate_blocks_and_random_values_are_layout_independent(dist):
-    torch.manual_seed(7)
-    want_randn = torch.randn(5, 6)
-    torch.manual_seed(7)
-    want_rand = torch.rand(5, 6)
-    for rank, (rn, ru, ones_p, zshape, full, eshape, rg) in enumerate(dist.run(4, _factories)):
-        assert torch.equal(rn, want_randn) and torch.equal(ru, want_rand)
+    from shardwise.random import uniform as sw_uniform
+
+    (single, single_reseeded, _), = dist.run(1, _random_across_layouts, (1, 1))
+    want_normal, want_uniform, _ = single[0]
+    assert want_uniform.dtype == torch.float64 and want_uniform.min() >= 0 and want_uniform.max() < 1
+    for rank, (layouts, reseeded, following) in enumerate(dist.run(4, _random_across_layouts, (2, 2))):
+        for placements, (normal, uniform, local_shape) in zip(RANDOM_LAYOUTS, layouts):
+            assert torch.equal(normal, want_normal) and torch.equal(uniform, want_uniform), (rank, placements)
+            assert local_shape != (5, 7) or placements == [Replicate(), Replicate()]  # blocks, not copies
+        assert torch.equal(reseeded, single_reseeded) and not torch.equal(reseeded, want_normal)
+        assert not torch.equal(following, reseeded)  # the stream advances between calls
+    want_p = sw_uniform((4, 2), (0, 0), (4, 2), seed=7, offset=0)  # what manual_seed(7) + rand give
+    for rank, (ones_p, zshape, full, eshape, rg, rand_p, rand_p_local) in enumerate(dist.run(4, _factories)):
         assert torch.equal(ones_p, torch.ones(4, 2)) and torch.equal(full, torch.full((2, 3), 7.0))
         assert zshape == ((1, 3), (1, 3), (1, 3), (0, 3))[rank] and eshape == (2,) and rg
+        assert torch.equal(rand_p, want_p)  # Partial(sum): the value on axis-rank 0, zeros elsewhere
+        assert torch.equal(rand_p_local, want_p[rank % 2 * 2 : rank % 2 * 2 + 2] * (rank < 2))
 
 
 # ---------------------------------------------------------------------- autograd

@@ -8,6 +8,7 @@ from shardwise.dispatch import allow_replicate_fallback, implicit_replication, r
 from shardwise.dtensor import DTensor
 from shardwise.mesh import DeviceMesh, init_device_mesh
 from shardwise.placement import Partial, Placement, Replicate, Shard
+from shardwise.random import manual_seed
 from shardwise.spec import DTensorSpec, TensorMeta
 
 __all__ = [
@@ -15,5 +16,5 @@ __all__ = [
     "Placement", "Shard", "Replicate", "Partial",
     "DTensorSpec", "TensorMeta", "DTensor",
     "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
-    "implicit_replication", "allow_replicate_fallback", "register_sharding",
+    "implicit_replication", "allow_replicate_fallback", "register_sharding", "manual_seed",
 ]

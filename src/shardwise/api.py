@@ -141,18 +141,18 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _random_block(generate: Callable) -> Fill:
-    """Draw the GLOBAL tensor, keep this rank's block: values independent of the layout.
+def _random_block(kind: str) -> Fill:
+    """Fill with counter-based random values (shardwise.random): the same for every layout.
 
-    Every rank draws the whole tensor from its (identically seeded) generator, so the values
-    do not depend on the mesh or placements. Costs the global tensor's size in time and memory.
+    Each value is a hash of the seed, the stream offset and the element's GLOBAL index, so a
+    rank computes only its block (O(local numel), no communication) and the values do not
+    depend on the mesh or placements. Every rank, also one holding an empty block, advances
+    the stream by the global element count.
     """
+    from shardwise import random as sw_random
 
     def fill(shape, local_shape, offset, options):
-        block = generate(shape, **options)
-        for dim, (length, start) in enumerate(zip(local_shape, offset)):
-            block = block.narrow(dim, start, length)
-        return block.contiguous()
+        return sw_random.draw(kind, shape, offset, local_shape, **options)
 
     return fill
 
@@ -185,10 +185,14 @@ def full(size, fill_value, **layout) -> DTensor:
 
 
 def rand(*size, **layout) -> DTensor:
-    """Uniform [0, 1) values, the same for every layout given the same seed (keywords as ``zeros``)."""
-    return _make(size, _random_block(torch.rand), **layout)
+    """Uniform [0, 1) values, the same for every layout given the same seed (keywords as ``zeros``).
+
+    Seed with ``torch.manual_seed`` or ``shardwise.random.manual_seed``, identically on every
+    rank. The values are shardwise's own (see ``shardwise.random``), not ``torch.rand``'s.
+    """
+    return _make(size, _random_block("uniform"), **layout)
 
 
 def randn(*size, **layout) -> DTensor:
-    """Standard normal values, the same for every layout given the same seed (keywords as ``zeros``)."""
-    return _make(size, _random_block(torch.randn), **layout)
+    """Standard normal values, the same for every layout given the same seed (keywords as ``rand``)."""
+    return _make(size, _random_block("normal"), **layout)
