@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from shardwise.dispatch import registry
 from shardwise.dispatch.propagation import OutputPlan, UnsupportedOp, flatten_outputs, propagate
 from shardwise.dispatch.strategy import OpSchema
 from shardwise.placement import Replicate
@@ -119,6 +120,8 @@ def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> A
             dt._local_tensor if target is None else redistribute_local(dt._local_tensor, dt._spec, target)
             for dt, target in zip(dtensors, plan.input_specs)
         ]
+        for i in plan.rebind:  # the mutated tensor settles its pending reduction first
+            dtensors[i]._local_tensor, dtensors[i]._spec = blocks[i], plan.input_specs[i]
     else:
         blocks = [dt._local_tensor for dt in dtensors]
     if plan.positions is not None:
@@ -148,7 +151,7 @@ def _swap(values, blocks) -> list:
     for value in values:
         if isinstance(value, DTensor):
             out.append(next(blocks))
-        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], DTensor):
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, DTensor) for v in value):  # [None, idx]
             out.append(type(value)(next(blocks) if isinstance(v, DTensor) else v for v in value))
         else:
             out.append(value)
@@ -184,7 +187,7 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
             + "; redistribute them onto one mesh first"
         )
     mesh = meshes[0]
-    plain = _plain_tensors(args, kwargs, DTensor)
+    plain = [(w, t) for w, t in _plain_tensors(args, kwargs, DTensor) if not registry.is_plain_index(func, w, t)]
     if plain and not _IMPLICIT[0]:
         where, tensor = plain[0]
         raise ValueError(

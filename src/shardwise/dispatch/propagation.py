@@ -39,6 +39,8 @@ class OutputPlan:
     # Positions of the DTensors among the positional arguments, when that is all there is
     # (no DTensor inside a list or a keyword): lets the hot path swap blocks in directly.
     positions: tuple[int, ...] | None = None
+    # Mutated DTensors whose pending reduction is settled before the op: re-pointed in place.
+    rebind: tuple[int, ...] = ()
 
 
 class UnsupportedOp(NotImplementedError):
@@ -105,8 +107,12 @@ def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, descri
         candidates = expand(registration.fn(schema), num_outputs, schema.mesh.ndim)
     else:
         candidates = registration.fn(schema)
-    candidates = [c for c in candidates if c is not None and _keeps_mutated(op, schema, c)]
-    best = choose(schema, candidates)
+    candidates = [c for c in candidates if c is not None]
+    best = choose(schema, [c for c in candidates if _keeps_mutated(op, schema, c)])
+    if best is None and _mutated_inputs(op):
+        # A mutated tensor with a pending reduction may settle it first: its logical value does
+        # not change, only its layout (the same DTensor object is re-pointed to the new block).
+        best = choose(schema, [c for c in candidates if _settles_mutated(op, schema, c)])
     if best is None:
         if fallback_enabled():
             _warn_fallback(op, describe())
@@ -131,7 +137,10 @@ def _plan(schema: OpSchema, candidate: Candidate, outputs: list) -> OutputPlan:
         else:
             specs.append(None)
     moves = any(s is not None for s in inputs)
-    return OutputPlan("run", inputs, tuple(specs), candidate.rewrite, returns=_returns(schema), moves_inputs=moves)
+    names = _mutated_inputs(schema.op)
+    rebind = tuple(i for i in _mutated_spec_indices(schema.op, schema, names) if inputs[i] is not None) if names else ()
+    return OutputPlan("run", inputs, tuple(specs), candidate.rewrite, returns=_returns(schema), moves_inputs=moves,
+                      rebind=rebind)
 
 
 def _returns(schema: OpSchema) -> str:
@@ -169,6 +178,18 @@ def _keeps_mutated(op: Any, schema: OpSchema, candidate: Candidate) -> bool:
     return True
 
 
+def _settles_mutated(op: Any, schema: OpSchema, candidate: Candidate) -> bool:
+    """Every mutated DTensor is Partial now, and the candidate reduces it and keeps the result."""
+    mutated = _mutated_spec_indices(op, schema, _mutated_inputs(op))
+    for out_index, i in enumerate(mutated):
+        target = candidate.inputs[i]
+        if not schema.specs[i].has_partial or target is None or any(p.is_partial() for p in target):
+            return False
+        if out_index < len(candidate.outputs) and candidate.outputs[out_index] not in (None, target):
+            return False
+    return True
+
+
 def _mutated_spec_indices(op: Any, schema: OpSchema, names: list[str]) -> list[int]:
     """Positions in ``schema.specs`` of the DTensors passed for the mutated arguments."""
     positions, index = [], 0
@@ -193,6 +214,8 @@ def _count_specs(value: Any) -> int:
 # ---------------------------------------------------------------------- metadata
 def _meta_outputs(op: Any, meta_args: tuple, meta_kwargs: dict, describe) -> list:
     """The op's outputs, flattened, computed on meta tensors of the global shapes."""
+    if "device" in meta_kwargs:  # _to_copy / new_* with device=cpu would leave meta
+        meta_kwargs = {**meta_kwargs, "device": torch.device("meta")}
     try:
         out = op(*meta_args, **meta_kwargs)
     except Exception as err:  # an op with no meta kernel

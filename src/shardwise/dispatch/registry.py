@@ -19,7 +19,7 @@ import torch
 
 __all__ = [
     "register_custom_handler", "register_strategy", "register_rule", "register_sharding",
-    "lookup", "Registration",
+    "lookup", "Registration", "allow_plain_indices", "is_plain_index",
 ]
 
 
@@ -125,3 +125,32 @@ def register_sharding(op: Any, *, replace: bool = True) -> Callable:
 def lookup(op: Any) -> Registration | None:
     """The registration of ``op``, if any."""
     return _REGISTRY.get(op)
+
+
+_PLAIN_INDICES: dict[Any, tuple[frozenset[str], frozenset[str]]] = {}
+
+
+def allow_plain_indices(*ops: Any, arguments: tuple[str, ...] = ("indices", "index"), values: tuple[str, ...] = ()) -> None:
+    """Plain integer tensors passed to ``ops`` as ``arguments`` are indices, not data.
+
+    Like int arguments they are taken to be the same on every rank (replicated), so
+    ``x[torch.tensor([0, 2])]`` works on a DTensor ``x`` without ``implicit_replication``.
+    ``values`` names arguments taken as replicated whatever their dtype (autograd's backward
+    of ``index_put`` passes its zeros as a plain tensor).
+    """
+    for op in _overloads(ops):
+        _PLAIN_INDICES[op] = (frozenset(arguments), frozenset(values))
+    _invalidate_caches()
+
+
+def is_plain_index(op: Any, where: str, tensor: torch.Tensor) -> bool:
+    """Whether the plain tensor at ``where`` (``#i``, ``#i[j]`` or a keyword) may stay plain in ``op``."""
+    names = _PLAIN_INDICES.get(op)
+    if names is None:
+        return False
+    if where.startswith("#"):
+        position = int(where[1:].split("[")[0])
+        arguments = op._schema.arguments
+        where = arguments[position].name if position < len(arguments) else ""
+    indices, values = names
+    return where in values or (where in indices and not (tensor.is_floating_point() or tensor.is_complex()))

@@ -1,3 +1,7 @@
 """Sharding strategies by op family; importing this package fills the registry."""
 
-from shardwise.dispatch.ops import pointwise, reduction  # noqa: F401
+from shardwise.dispatch.ops import pointwise, reduction, foreach  # noqa: F401
+from shardwise.dispatch.ops import matmul, embedding, conv  # noqa: F401
+from shardwise.dispatch.ops import norm, loss, attention  # noqa: F401
+from shardwise.dispatch.ops import view, tensor  # noqa: F401
+from shardwise.dispatch.ops import random  # noqa: F401

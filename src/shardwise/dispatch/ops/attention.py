@@ -1,0 +1,188 @@
+"""Scaled dot-product attention: ``F.scaled_dot_product_attention`` on CPU.
+
+On CPU, SDPA reaches ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward)
+unless the mask needs a gradient or dropout is on; then it takes the "math" path, plain
+matmuls, views and ``_safe_softmax`` (covered by their own families).
+
+Layouts of q/k/v ``[*batch, H, L, E]`` (k/v ``[*batch, Hkv, S, E]``), out ``[..., L, Ev]``,
+logsumexp ``[*batch, H, L]``:
+
+* batch or heads sharded (Shard(0) / Shard(1) on q, k, v alike): every (batch, head) pair is
+  an independent attention, so each rank attends its own heads with no communication, forward
+  or backward. Grouped-query attention (Hkv < H) shards heads only when the chunks line up:
+  Hkv divisible by the number of head shards, so each query head's chunk holds its kv head.
+* query rows sharded (q Shard on L, k and v replicated, no causal mask): each query row
+  attends the whole sequence on its own; in the backward, dK and dV sum over query rows, so
+  they come out Partial(sum). The causal mask depends on global row positions, so not then.
+* the key/value sequence and head_dim are never sharded (softmax and the dot products span
+  them); the mask broadcasts like an elementwise operand of the ``[*batch, H, L, S]`` scores.
+* the backward is linear in the upstream gradient: a pending sum/avg passes through to all
+  three gradients when everything else is replicated.
+
+The ops run through a custom handler (choosing among these candidates by cost as the
+propagator would) for two reasons: the CPU kernel dies with SIGFPE on zero heads, which an
+uneven heads split gives some ranks (their outputs are made directly: empty, or zero partial
+gradients); and the gradients are given the strides of q/k/v, so autograd's layout contract
+for leaf gradients does not copy them into a freshly allocated (replicated) tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+from typing import Any, Callable
+
+import torch
+
+from shardwise.dispatch.ops._common import R, aten, broadcast_dim
+from shardwise.dispatch.ops.loss import cached_choice, localize, make_spec
+from shardwise.dispatch.ops.norm import linear_partial_ops, spec_arguments
+from shardwise.dispatch.registry import register_custom_handler
+from shardwise.dispatch.strategy import Candidate, OpSchema, expand
+from shardwise.placement import Partial, Placement, Shard
+from shardwise.spec import DTensorSpec, TensorMeta
+
+__all__ = ["flash_forward", "flash_backward"]
+
+
+def _layout(names: list[str], specs: tuple[DTensorSpec, ...], scores: tuple[int, ...], kv: Placement,
+            rows: Placement, dim: int | None) -> tuple:
+    """Input placements by argument name: q (and row-shaped tensors) ``rows``, k/v ``kv``,
+    the mask broadcast like the scores sharded on ``dim`` (None: replicated)."""
+    out = []
+    for name, spec in zip(names, specs):
+        if name == "attn_mask":
+            out.append(R if dim is None else broadcast_dim(spec, scores, dim))
+        elif name in ("key", "value"):
+            out.append(kv)
+        else:  # query, grad_out, out, logsumexp
+            out.append(rows)
+    return tuple(out)
+
+
+def _scores_shape(schema: OpSchema, names: list[str]) -> tuple[int, ...]:
+    q, k = (schema.specs[names.index(n)] for n in ("query", "key"))
+    return tuple(q.shape[:-1]) + (k.shape[-2],)
+
+
+def _heads_line_up(schema: OpSchema, names: list[str], candidate: Candidate) -> bool:
+    """GQA: the kv heads must split into as many equal chunks as the query heads."""
+    q, k = (schema.specs[names.index(n)] for n in ("query", "key"))
+    if q.ndim < 3 or q.shape[-3] == k.shape[-3]:
+        return True
+    heads = q.ndim - 3
+    target = candidate.inputs[names.index("key")]
+    shards = math.prod(q.mesh.shape[a] for a, p in enumerate(target or ()) if p == Shard(heads))
+    return k.shape[-3] % shards == 0
+
+
+def _finish(schema: OpSchema, names: list[str], axis_candidates: list[tuple], n_out: int) -> list[Candidate]:
+    candidates = expand(axis_candidates, n_out, schema.mesh.ndim)
+    return [c for c in candidates if _heads_line_up(schema, names, c)]
+
+
+def flash_forward(schema: OpSchema) -> list[Candidate]:
+    """(out, logsumexp) from (query, key, value, attn_mask?)."""
+    names = spec_arguments(schema)
+    specs = schema.specs
+    q = specs[names.index("query")]
+    scores = _scores_shape(schema, names)
+    causal = bool(schema.arg(4, "is_causal", False))
+    axis: list[tuple] = []
+    for d in range(q.ndim - 2):  # batch dims and heads
+        axis.append((Shard(d), Shard(d)) + _layout(names, specs, scores, Shard(d), Shard(d), d))
+    if not causal:
+        rows = q.ndim - 2
+        axis.append((Shard(rows), Shard(rows)) + _layout(names, specs, scores, R, Shard(rows), rows))
+    axis.append((R, R) + _layout(names, specs, scores, R, R, None))
+    return _finish(schema, names, axis, 2)
+
+
+def flash_backward(schema: OpSchema) -> list[Candidate]:
+    """(grad_query, grad_key, grad_value) from (grad_out, query, key, value, out, logsumexp, attn_mask?)."""
+    names = spec_arguments(schema)
+    specs = schema.specs
+    q = specs[names.index("query")]
+    scores = _scores_shape(schema, names)
+    causal = bool(schema.arg(7, "is_causal", False))
+    axis: list[tuple] = []
+    for d in range(q.ndim - 2):
+        axis.append((Shard(d),) * 3 + _layout(names, specs, scores, Shard(d), Shard(d), d))
+    if not causal:
+        rows = q.ndim - 2
+        axis.append((Shard(rows), Partial(), Partial()) + _layout(names, specs, scores, R, Shard(rows), rows))
+    axis.append((R,) * 3 + _layout(names, specs, scores, R, R, None))
+    for op in linear_partial_ops(specs[names.index("grad_out")]):
+        ins = tuple(Partial(op) if n == "grad_out" else R for n in names)
+        axis.insert(0, (Partial(op),) * 3 + ins)
+    return _finish(schema, names, axis, 3)
+
+
+# ---------------------------------------------------------------------- running the kernels
+_PLANS: dict = {}
+
+
+def _schema_of(op: Any, args: tuple, kwargs: dict) -> tuple[OpSchema, list[Any]]:
+    """The call as the propagator sees it (specs in place of DTensors), and its DTensors."""
+    from shardwise.dtensor import DTensor
+
+    dtensors: list[Any] = []
+
+    def spec(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            dtensors.append(value)
+            return value._spec
+        if isinstance(value, torch.Tensor):
+            raise ValueError(f"{op}: a plain tensor mixed with DTensors; make it a DTensor")
+        return value
+
+    args_ = tuple(spec(a) for a in args)
+    kwargs_ = tuple((k, spec(v)) for k, v in kwargs.items())
+    return OpSchema(op, args_, kwargs_, tuple(d._spec for d in dtensors)), dtensors
+
+
+def _meta(value: Any) -> Any:
+    return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, DTensorSpec) else value
+
+
+def _output_specs(schema: OpSchema, plan: Candidate, like: tuple[str, ...]) -> list[DTensorSpec]:
+    """Output specs from the op's meta outputs; ``like`` names inputs whose strides they take."""
+    metas = schema.op(*map(_meta, schema.args), **{k: _meta(v) for k, v in schema.kwargs})
+    specs = [make_spec(schema.mesh, p, m) for p, m in zip(plan.outputs, metas)]
+    names = spec_arguments(schema)
+    for i, name in enumerate(like):
+        source = schema.specs[names.index(name)].tensor_meta
+        meta = specs[i].tensor_meta
+        if tuple(source.shape) == tuple(meta.shape):
+            specs[i] = DTensorSpec(schema.mesh, specs[i].placements, TensorMeta(meta.shape, source.stride, meta.dtype))
+    return specs
+
+
+def _handler(make: Callable[[OpSchema], list[Candidate]], like: tuple[str, ...] = ()) -> Callable:
+    def handler(op: Any, args: tuple, kwargs: dict) -> tuple:
+        from shardwise.dtensor import DTensor
+
+        schema, dtensors = _schema_of(op, args, kwargs)
+        key = (op, schema.args, schema.kwargs)
+        plan = cached_choice(key, schema, lambda: make(schema))
+        specs = _PLANS.get(key)
+        if specs is None:
+            if len(_PLANS) > 1024:
+                _PLANS.clear()
+            specs = _PLANS[key] = _output_specs(schema, plan, like)
+        blocks = localize(dtensors, plan)
+        if any(b.numel() == 0 for b in blocks):  # the kernel cannot take empty heads
+            outs = [torch.zeros(s.local_shape(), dtype=s.dtype, device=blocks[0].device) for s in specs]
+        else:
+            it = iter(blocks)
+            local_args = [next(it) if isinstance(a, DTensor) else a for a in args]
+            local_kwargs = {k: next(it) if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+            outs = op(*local_args, **local_kwargs)
+        return tuple(DTensor(o, s, requires_grad=False) for o, s in zip(outs, specs))
+
+    return handler
+
+
+register_custom_handler(aten._scaled_dot_product_flash_attention_for_cpu.default)(_handler(flash_forward))
+register_custom_handler(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(
+    _handler(flash_backward, like=("query", "key", "value")))

@@ -1,0 +1,332 @@
+"""Tensor ops that address values by index, sort them, fill them or read them out.
+
+Indexing (``index``, ``index_put``, ``index_select``, ``index_add``, ``gather``, ``scatter``):
+an indexed dim must be whole on every mesh axis, because indices are global positions; the
+index tensors are replicated, and the dims that are not indexed keep their sharding (they move
+to wherever the op puts them in the output). Two further layouts need no gathering of data:
+
+* indices sharded along the result's index dims, data replicated: each rank looks up its own
+  positions (``x[idx]`` with ``idx`` sharded, ``index_select`` / ``gather`` on a sharded index);
+* a pending reduction passes through an op that only moves values (a gather is linear and
+  order-preserving), and through writes when the written values carry the same reduction.
+
+Plain integer tensors given as indices are taken as replicated, like int arguments
+(``registry.allow_plain_indices``): ``x[torch.tensor([0, 2])]`` needs no wrapping. So are plain
+``values`` of ``index_put``: autograd's backward of ``index_put`` writes plain zeros.
+
+``topk`` / ``sort`` need their dim whole; ``fill_`` / ``zero_`` keep the layout of the tensor
+they write, which rules out filling a Partial(sum) with anything but zero (every rank's value
+would be counted); ``item()`` needs the value replicated.
+"""
+
+from __future__ import annotations
+
+from numbers import Number
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shardwise.dispatch.ops._common import R, aten, broadcast_dim
+from shardwise.dispatch.ops.pointwise import pointwise_axis_candidates
+from shardwise.dispatch.registry import allow_plain_indices, register_strategy
+from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
+from shardwise.placement import Placement, Shard
+from shardwise.spec import DTensorSpec
+
+__all__ = ["index_layout"]
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim > 0 else 0
+
+
+def _partials(spec: DTensorSpec) -> list[Placement]:
+    return list(dict.fromkeys(p for p in spec.placements if p.is_partial()))
+
+
+def _meta(value: Any) -> Any:
+    """A meta tensor standing for a spec or a plain tensor (None stays None)."""
+    if isinstance(value, (DTensorSpec, torch.Tensor)):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return value
+
+
+# ---------------------------------------------------------------------- advanced indexing
+def index_layout(ndim: int, indices: Sequence[Any]) -> tuple[dict[int, int], int, tuple[int, ...]]:
+    """Where ``x[indices]`` puts things: (non-indexed dim -> output dim, first index-result
+    dim, broadcast shape of the index tensors).
+
+    NumPy rules: the broadcast index dims replace the indexed dims in place when those are
+    adjacent, and go first otherwise.
+    """
+    indexed = [i for i, t in enumerate(indices) if t is not None]
+    shapes = [tuple(t.shape) for t in indices if t is not None]
+    bshape = tuple(torch.broadcast_shapes(*shapes)) if shapes else ()
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1)) if indexed else True
+    first = indexed[0] if adjacent and indexed else 0
+    rest = [d for d in range(ndim) if d not in indexed]
+    kept = {}
+    for d in rest:
+        if adjacent and d < first:
+            kept[d] = d
+        elif adjacent:
+            kept[d] = d - len(indexed) + len(bshape)
+        else:
+            kept[d] = len(bshape) + rest.index(d)
+    return kept, first, bshape
+
+
+def _index_specs(indices: Sequence[Any]) -> list[DTensorSpec]:
+    return [t for t in indices if isinstance(t, DTensorSpec)]
+
+
+def _index_candidates(schema: OpSchema, put: bool) -> list[AxisCandidate]:
+    """Per-axis layouts of ``index`` (output, self, index DTensors...) or of ``index_put``
+    (output, self, index DTensors..., values if a DTensor)."""
+    spec = schema.specs[0]
+    indices = list(schema.arg(1, "indices"))
+    idx_specs = _index_specs(indices)
+    values = schema.arg(2, "values") if put else None
+    vals = isinstance(values, DTensorSpec)
+    kept, first, bshape = index_layout(spec.ndim, indices)
+    idx_rep = (R,) * len(idx_specs)
+    result_shape = tuple(aten.index.Tensor(_meta(spec), [_meta(t) for t in indices]).shape)
+    candidates: list[AxisCandidate] = []
+    for d, o in kept.items():
+        if spec.shape[d] > 1:
+            out = Shard(d) if put else Shard(o)
+            candidates.append((out, Shard(d)) + idx_rep + ((broadcast_dim(values, result_shape, o),) if vals else ()))
+    if not put and len(idx_specs) == sum(t is not None for t in indices):
+        for k, size in enumerate(bshape):
+            if size > 1:
+                candidates.append((Shard(first + k), R) + tuple(broadcast_dim(t, bshape, k) for t in idx_specs))
+    for p in _partials(spec):
+        if not put:
+            candidates.append((p, p) + idx_rep)
+        elif vals and p in values.placements and (not schema.arg(3, "accumulate", False) or p.reduce_op in ("sum", "avg")):
+            candidates.append((p, p) + idx_rep + (p,))  # each rank writes its contributions
+    candidates.append((R, R) + idx_rep + ((R,) if vals else ()))
+    return candidates
+
+
+@register_strategy(aten.index.Tensor, aten._unsafe_index.Tensor)
+def index_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """A lookup: non-indexed dims keep, sharded indices shard the result, Partial passes."""
+    return _index_candidates(schema, put=False)
+
+
+@register_strategy(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
+                   aten._unsafe_index_put.default, per_axis=False)
+def index_put_strategy(schema: OpSchema) -> list[Candidate]:
+    """Self's non-indexed dims keep their sharding and the values follow them (or broadcast).
+
+    A Partial self stays Partial only when the values carry the same pending reduction (each
+    rank writes its contributions; an accumulating write only for sum/avg, which are linear).
+    Plain values (replicated) are cut to the local block by the rewrite.
+    """
+    candidates = expand(_index_candidates(schema, put=True), 1, schema.mesh.ndim)
+    values = schema.arg(2, "values")
+    if isinstance(values, torch.Tensor) and values.ndim > 0:
+        spec = schema.specs[0]
+        indices = list(schema.arg(1, "indices"))
+        kept = index_layout(spec.ndim, indices)[0]
+        result_ndim = aten.index.Tensor(_meta(spec), [_meta(t) for t in indices]).ndim
+        lead = result_ndim - values.ndim
+        dims = {d: o - lead for d, o in kept.items() if o - lead >= 0 and values.shape[o - lead] != 1}
+        candidates = [replace(c, rewrite=_plain_values_rewrite(dims)) for c in candidates]
+    return candidates
+
+
+def _plain_values_rewrite(dims: dict[int, int]) -> Callable:
+    """Narrow plain (replicated) values to the block of self this rank writes: self dim ``d``
+    is values dim ``dims[d]``."""
+
+    def rewrite(args: list, kwargs: dict, output_specs: tuple) -> tuple[list, dict]:
+        shape, offset = output_specs[0].local_shape_and_offset()
+        full = output_specs[0].shape
+        values = args[2] if len(args) > 2 else kwargs["values"]
+        for d, vd in dims.items():
+            if shape[d] != full[d]:
+                values = values.narrow(vd, offset[d], shape[d])
+        if len(args) > 2:
+            args = list(args)
+            args[2] = values
+        else:
+            kwargs = {**kwargs, "values": values}
+        return args, kwargs
+
+    return rewrite
+
+
+# ---------------------------------------------------------------------- index_select / index_add
+def _index_spec_rep(schema: OpSchema, position: int, name: str) -> tuple:
+    """R for the index argument if it is a DTensor, nothing if it is plain."""
+    return (R,) if isinstance(schema.arg(position, name), DTensorSpec) else ()
+
+
+@register_strategy(aten.index_select.default)
+def index_select_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """(output, self, index): other dims keep; a sharded index with a replicated self gives an
+    output sharded on the selected dim."""
+    spec = schema.specs[0]
+    dim = _norm(schema.arg(1, "dim"), spec.ndim)
+    idx = _index_spec_rep(schema, 2, "index")
+    candidates = [(Shard(d), Shard(d)) + idx for d in range(spec.ndim) if d != dim and spec.shape[d] > 1]
+    index = schema.arg(2, "index")
+    if idx and index.ndim == 1 and index.shape[0] > 1:
+        candidates.append((Shard(dim), R, Shard(0)))
+    candidates += [(p, p) + idx for p in _partials(spec)]
+    return candidates + [(R, R) + idx]
+
+
+@register_strategy(aten.index_add.default, aten.index_add_.default)
+def index_add_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """(output, self, index, source): other dims keep; sums of sums stay pending."""
+    spec = schema.specs[0]
+    dim = _norm(schema.arg(1, "dim"), spec.ndim)
+    idx = _index_spec_rep(schema, 2, "index")
+    source = schema.arg(3, "source")
+    if not isinstance(source, DTensorSpec):  # a plain 0-dim source
+        return [(R, R) + idx]
+    candidates = [
+        (Shard(d), Shard(d)) + idx + (Shard(d),)
+        for d in range(spec.ndim)
+        if d != dim and spec.shape[d] > 1 and source.ndim == spec.ndim
+    ]
+    candidates += [(p, p) + idx + (p,) for p in _partials(spec) if p.reduce_op in ("sum", "avg") and p in source.placements]
+    return candidates + [(R, R) + idx + (R,)]
+
+
+# ---------------------------------------------------------------------- gather / scatter
+def _aligned_dims(dim: int, *specs: DTensorSpec) -> list[int]:
+    """Dims other than ``dim`` on which every spec has the same (non-1) size."""
+    ref = specs[0]
+    return [d for d in range(ref.ndim) if d != dim and ref.shape[d] > 1 and all(s.ndim == ref.ndim and s.shape[d] == ref.shape[d] for s in specs)]
+
+
+@register_strategy(aten.gather.default)
+def gather_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """(output, self, index): shard a dim both share, or the index on ``dim`` with self replicated."""
+    spec = schema.specs[0]
+    dim = _norm(schema.arg(1, "dim"), max(spec.ndim, 1))
+    index = schema.arg(2, "index")
+    if not isinstance(index, DTensorSpec):
+        return [(p, p) for p in _partials(spec)] + [(R, R)]
+    candidates = [(Shard(d), Shard(d), Shard(d)) for d in _aligned_dims(dim, spec, index)]
+    if index.ndim and index.shape[dim] > 1:
+        candidates.append((Shard(dim), R, Shard(dim)))
+    candidates += [(p, p, R) for p in _partials(spec)]
+    return candidates + [(R, R, R)]
+
+
+_SCATTER_SRC = [aten.scatter.src, aten.scatter_.src, aten.scatter_add.default, aten.scatter_add_.default,
+                aten.scatter.reduce, aten.scatter_.reduce, aten.scatter_reduce.two, aten.scatter_reduce_.two]
+_SCATTER_VALUE = [aten.scatter.value, aten.scatter_.value, aten.scatter.value_reduce, aten.scatter_.value_reduce]
+
+
+@register_strategy(*_SCATTER_SRC, *_SCATTER_VALUE)
+def scatter_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """(output, self, index[, src]): a dim shared by all (same sizes) keeps its sharding.
+
+    Partial: an overwriting scatter of Partial values into a Partial self keeps it (each rank
+    writes its contributions); ``scatter_add`` only for sum/avg; reductions other than a plain
+    write or add, and scalar values, need whole tensors.
+    """
+    spec = schema.specs[0]
+    dim = _norm(schema.arg(1, "dim"), max(spec.ndim, 1))
+    tensors = list(schema.specs)
+    candidates = [tuple(Shard(d) for _ in range(len(tensors) + 1)) for d in _aligned_dims(dim, *tensors)]
+    if schema.op in _SCATTER_SRC and len(schema.specs) == 3 and _plain_write(schema):
+        add = schema.op in (aten.scatter_add.default, aten.scatter_add_.default)
+        src = schema.specs[2]
+        for p in _partials(spec):
+            if p in src.placements and (not add or p.reduce_op in ("sum", "avg")):
+                candidates.append((p, p, R, p))
+    return candidates + [(R,) * (len(tensors) + 1)]
+
+
+def _plain_write(schema: OpSchema) -> bool:
+    """A scatter that writes or adds (no ``reduce=`` other than sum/add)."""
+    reduce = schema.kwarg("reduce") or (schema.args[4] if len(schema.args) > 4 and isinstance(schema.args[4], str) else None)
+    return reduce in (None, "sum", "add")
+
+
+# ---------------------------------------------------------------------- sort / topk
+def _sorted_dim_candidates(spec: DTensorSpec, dim: int, n_out: int) -> list[AxisCandidate]:
+    """The sorted dim must be whole; other dims keep their sharding (all outputs alike)."""
+    candidates = [(Shard(d),) * n_out + (Shard(d),) for d in range(spec.ndim) if d != dim and spec.shape[d] > 1]
+    return candidates + [(R,) * (n_out + 1)]
+
+
+@register_strategy(aten.topk.default)
+def topk_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    spec = schema.specs[0]
+    return _sorted_dim_candidates(spec, _norm(schema.arg(2, "dim", -1), spec.ndim), 2)
+
+
+@register_strategy(aten.sort.default, aten.sort.stable)
+def sort_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    spec = schema.specs[0]
+    dim = schema.arg(1, "dim", -1) if schema.op is aten.sort.default else schema.kwarg("dim", -1)
+    return _sorted_dim_candidates(spec, _norm(dim, spec.ndim), 2)
+
+
+# ---------------------------------------------------------------------- fills
+def _fill_keeps(p: Placement, value: Any) -> bool:
+    """Whether a Partial stays correct when every rank writes ``value`` (a number, or a spec)."""
+    if p.reduce_op != "sum":
+        return True  # the avg / max / min of equal values is that value
+    return isinstance(value, Number) and value == 0
+
+
+@register_strategy(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
+def fill_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """In place: self keeps its layout. Filling a Partial(sum) with a nonzero value (or an
+    unknown tensor) would count it once per rank: no candidate, so it is an error."""
+    spec = schema.specs[0]
+    value = 0 if schema.op is aten.zero_.default else schema.arg(1, "value")
+    value_spec = (R,) if isinstance(value, DTensorSpec) else ()
+    candidates = [(Shard(d), Shard(d)) + value_spec for d in range(spec.ndim)]
+    for p in _partials(spec):
+        if _fill_keeps(p, value):
+            candidates.append((p, p) + value_spec)
+        if isinstance(value, DTensorSpec) and p in value.placements:
+            candidates.append((p, p, p))  # each rank writes its contribution
+    return candidates + [(R, R) + value_spec]
+
+
+@register_strategy(aten.fill.Scalar, aten.fill.Tensor)
+def fill_out_of_place_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """A new tensor of ``value``: reads no values of self, so any layout works (Partial -> R)."""
+    spec = schema.specs[0]
+    value = schema.arg(1, "value")
+    value_spec = (R,) if isinstance(value, DTensorSpec) else ()
+    candidates = [(Shard(d), Shard(d)) + value_spec for d in range(spec.ndim)]
+    candidates += [(R, p) + value_spec for p in _partials(spec)]  # a Partial's blocks are whole
+    return candidates + [(R, R) + value_spec]
+
+
+# ---------------------------------------------------------------------- reading values out
+@register_strategy(aten._local_scalar_dense.default)
+def item_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """``item()``: a Python number, the same on every rank: the tensor must be replicated."""
+    return [(None, R)]
+
+
+@register_strategy(aten.equal.default)
+def equal_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """A bool on every rank: comparing local blocks would need a reduction of the answers, so
+    both tensors are compared whole."""
+    return [(None, R, R)]
+
+
+# ---------------------------------------------------------------------- masked fill
+register_strategy(aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,
+                  replace=True)(pointwise_axis_candidates)
+
+allow_plain_indices(aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default,
+                    aten.index_add.default, aten.index_add_.default)
+# The backward of index_put (accumulate=False) writes plain zeros made from the values' metadata.
+allow_plain_indices(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
+                    aten._unsafe_index_put.default, values=("values",))

@@ -1,0 +1,61 @@
+"""Smoke tests of the benchmark scripts: they run, finish, and report their summaries.
+
+Each script starts its own local gloo processes, so it runs as a subprocess. op_coverage's quick
+subset is also a correctness gate: shardwise must give no wrong result and no rank desync on it
+(errors, i.e. unsupported ops, are allowed: they are reported, not silently wrong).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 240
+
+
+def _run(script: str, *args: str) -> str:
+    env = dict(os.environ)
+    env.pop("RANK", None)  # never mistaken for a worker of an enclosing launcher
+    env.pop("LOCAL_RANK", None)
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} {' '.join(args)} exited {proc.returncode}:\n{out[-6000:]}"
+    return proc.stdout
+
+
+def _result(out: str, lib: str) -> dict[str, int]:
+    line = re.search(rf"^RESULT {lib}: (.*)$", out, re.M)
+    assert line, f"no RESULT line for {lib}:\n{out[-4000:]}"
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line.group(1))}
+
+
+def _names(out: str, lib: str, kind: str) -> str:
+    line = re.search(rf"^  {lib} {kind} ops \(\d+\): (.*)$", out, re.M)
+    return line.group(1) if line else "?"
+
+
+def test_op_coverage_quick_has_no_wrong_or_desynced_shardwise_op():
+    out = _run("op_coverage.py", "--quick")
+    sw, torch_ = _result(out, "shardwise"), _result(out, "torch")
+    assert sw["ops_tried"] >= 30 and torch_["ops_tried"] == sw["ops_tried"], (sw, torch_)
+    assert sw["cases_pass"] > 0
+    assert sw["cases_wrong"] == 0, f"shardwise wrong on: {_names(out, 'shardwise', 'wrong')}\n{out[-6000:]}"
+    assert sw["cases_desync"] == 0, f"shardwise desynced on: {_names(out, 'shardwise', 'desync')}\n{out[-6000:]}"
+
+
+def test_dispatch_overhead_quick_reports_medians():
+    out = _run("dispatch_overhead.py", "--quick")
+    for world in (1, 4):
+        line = re.search(rf"^world {world}: median overhead over (\d+)/(\d+) ops: torch ([\d.]+) µs, "
+                         rf"shardwise ([\d.]+) µs, ratio of medians shardwise/torch ([\d.]+)", out, re.M)
+        assert line, f"no summary for world {world}:\n{out[-4000:]}"
+        assert int(line.group(1)) > 0
+    assert "=== summary" in out
