@@ -7,6 +7,7 @@ from shardwise.api import distribute_tensor, empty, full, ones, rand, randn, zer
 from shardwise.dispatch import allow_replicate_fallback, implicit_replication, register_sharding
 from shardwise.dtensor import DTensor
 from shardwise.mesh import DeviceMesh, init_device_mesh
+from shardwise.module_api import distribute_module
 from shardwise.placement import Partial, Placement, Replicate, Shard
 from shardwise.random import manual_seed
 from shardwise.spec import DTensorSpec, TensorMeta
@@ -15,6 +16,6 @@ __all__ = [
     "DeviceMesh", "init_device_mesh",
     "Placement", "Shard", "Replicate", "Partial",
     "DTensorSpec", "TensorMeta", "DTensor",
-    "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn",
+    "distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand", "randn",
     "implicit_replication", "allow_replicate_fallback", "register_sharding", "manual_seed",
 ]
