@@ -69,12 +69,18 @@ def _foreach_cases():
         "norm_inf": lambda a, b: torch._foreach_norm(a, float("inf")),
         "norm_0": lambda a, b: torch._foreach_norm(torch._foreach_clamp_min(a, 0.0), 0),
         "max": lambda a, b: torch._foreach_max(a),
+        "powsum_3_float64": lambda a, b: torch.ops.aten._foreach_powsum(a, 3, dtype=torch.float64),
+        "div_by_plain_scalars": lambda a, b: torch._foreach_div(a, [torch.tensor(2.0 + i) for i in range(len(a))]),
         "clone": lambda a, b: torch._foreach_clone(a),
         "copy": lambda a, b: torch.ops.aten._foreach_copy(a, b),
         "zero": lambda a, b: torch.ops.aten._foreach_zero(a),
     }
     results = {name: _close(fn(dx, dy), fn(xs, ys)) for name, fn in cases.items()}
     results["norm_keeps_no_gather"] = _norm_comms(dx)
+    outs, douts = [torch.zeros(s) for s in SHAPES], [d.clone() for d in dx]
+    torch.ops.aten._foreach_mul.List_out(dx, dy, out=douts)
+    torch.ops.aten._foreach_mul.List_out(xs, ys, out=outs)
+    results["out_variant"] = _close(douts, outs) and [d.placements for d in douts] == [d.placements for d in dx]
 
     # In place: the mutated DTensors keep their identity and layout.
     a, da = [x.clone() for x in xs], [d.clone() for d in dx]

@@ -262,7 +262,7 @@ def test_reduction_collectives(dist):
 
 
 def _empty_and_edge():
-    """Ranks with empty blocks; 0-dim and 1-element tensors; integer and bool inputs."""
+    """Ranks with empty blocks; 0-dim and 1-element tensors; integer, bool and bfloat16 inputs."""
     mesh = sw.init_device_mesh("cpu", (2, 2))
     torch.manual_seed(0)
     failures = []
@@ -277,6 +277,11 @@ def _empty_and_edge():
                    lambda t: t.mean(0, dtype=torch.float32), lambda t: t.bool().any(1), lambda t: t.bool().all(),
                    lambda t: t.max(1), lambda t: t.argmin(0)):
             failures += check_op(fn, [ints], [layout], mesh, grad=False)
+    half = torch.randn(7, 5).bfloat16()
+    for layout in ([Shard(0), Shard(1)], [Replicate(), Shard(1)]):
+        for fn in (lambda t: t.mean(0), lambda t: t.var(), lambda t: t.norm(dim=0), lambda t: t.sum(1),
+                   lambda t: t.logsumexp(0), lambda t: t.std(1)):
+            failures += check_op(fn, [half], [layout], mesh, grad=False, atol=2e-2, rtol=2e-2)
     scalar = torch.tensor(3.0)
     failures += check_op(lambda t: (t.sum(), t.mean(), t.amax(), t.norm()), [scalar], [[Replicate(), Replicate()]], mesh)
     return failures

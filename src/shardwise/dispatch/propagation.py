@@ -107,7 +107,7 @@ def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, descri
         candidates = expand(registration.fn(schema), num_outputs, schema.mesh.ndim)
     else:
         candidates = registration.fn(schema)
-    candidates = [c for c in candidates if c is not None]
+    candidates = [c for c in candidates if c is not None and _valid_outputs(c)]
     best = choose(schema, [c for c in candidates if _keeps_mutated(op, schema, c)])
     if best is None and _mutated_inputs(op):
         # A mutated tensor with a pending reduction may settle it first: its logical value does
@@ -174,6 +174,14 @@ def _keeps_mutated(op: Any, schema: OpSchema, candidate: Candidate) -> bool:
     # In-place ops return self first; out= ops return the out tensors in order.
     for out_index, i in enumerate(mutated[: len(candidate.outputs)]):
         if candidate.outputs[out_index] not in (None, schema.specs[i].placements):
+            return False
+    return True
+
+
+def _valid_outputs(candidate: Candidate) -> bool:
+    """Output layouts must be layouts: no mix of pending reduction kinds (per-axis expansion can make one)."""
+    for placements in candidate.outputs:
+        if placements is not None and len({p.reduce_op for p in placements if p.is_partial()}) > 1:
             return False
     return True
 

@@ -14,6 +14,7 @@ whose names or arguments differ from their per-tensor op are adapted in ``_ELEME
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -76,7 +77,7 @@ def _is_dtensor(value: Any) -> bool:
 # Per-tensor ops whose call differs from "same name, same positional arguments".
 def _addc(name: str) -> Callable:
     def call(self, tensor1, tensor2, value=1, scalars=None):
-        return getattr(aten, name)(self, tensor1, tensor2, value=value if scalars is None else _element(scalars))
+        return getattr(aten, name)(self, tensor1, tensor2, value=value if scalars is None else scalars)
 
     return call
 
@@ -115,6 +116,7 @@ _ELEMENT: dict[str, Callable] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _per_tensor(base: str, in_place: bool) -> Callable:
     """The per-tensor callable for ``_foreach_<base>[_]``: in place where aten has it, else
     out of place then copied into ``self``."""

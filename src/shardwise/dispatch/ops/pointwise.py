@@ -98,6 +98,20 @@ def _replicated(values: list[Any]) -> bool:
 
 
 _POINTWISE = list(aten_ops_tagged(torch.Tag.pointwise, without=(torch.Tag.nondeterministic_seeded,)))
+
+
+def _in_place_twins(ops: list) -> list:
+    """``abs_`` for ``abs``...: some in-place variants lack the pointwise tag their twin has."""
+    twins = []
+    for op in ops:
+        packet = getattr(aten, op._schema.name.split("::")[-1] + "_", None)
+        twin = getattr(packet, op._overloadname, None) if packet is not None else None
+        if twin is not None and twin not in ops:
+            twins.append(twin)
+    return twins
+
+
+_POINTWISE += _in_place_twins(_POINTWISE)
 _SAME_LAYOUT = [aten.clone.default, aten.detach.default, aten.alias.default, aten.contiguous.default,
                 aten.positive.default, aten.copy_.default, aten.lift_fresh.default]
 register_strategy(*_POINTWISE, *_SAME_LAYOUT, replace=True)(pointwise_axis_candidates)

@@ -6,11 +6,11 @@ amin / min() -> min), so nothing is communicated until the value is needed. Redu
 one (prod, argmax, max.dim's indices, cumsum's running total) need the reduced dim whole.
 
 Statistics built from sums are rewritten into sums instead of gathering their input (see
-``_StatRewrite``): ``mean`` = sum / count (a local mean of an uneven block is NOT a share of the
-global mean), ``var`` = sum((x - mean)^2) / (N - correction), ``vector_norm`` = sum(|x|^p)^(1/p)
-(max / min of |x| for p = +-inf), ``any`` / ``all`` = counts of (non)zeros, ``logsumexp`` =
-max + log(sum(exp(x - max))). When no reduced dim is
-sharded and nothing is pending, the op simply runs on the local block.
+``_stat_handler``): ``mean`` = sum / count (a local mean of an uneven block is NOT a share of
+the global mean), ``var`` = sum((x - mean)^2) / (N - correction), ``vector_norm`` =
+sum(|x|^p)^(1/p) (max / min of |x| for p = +-inf), ``any`` / ``all`` = counts of (non)zeros,
+``logsumexp`` = max + log(sum(exp(x - max))). When no reduced dim is sharded and nothing is
+pending, the op simply runs on the local block.
 
 A pending reduction passes through a reduction that commutes with it: sum / avg through sum,
 mean and cumsum (linear), max through amax / max(), min through amin / min(). Anything else
@@ -240,7 +240,13 @@ def _needs_rewrite(spec: DTensorSpec, reduced: tuple[int, ...]) -> bool:
     return spec.has_partial or any(isinstance(p, Shard) and p.dim in reduced for p in spec.placements)
 
 
-def _run_local(op: Any, x: Any, args: tuple, kwargs: dict, reduced: tuple[int, ...], keepdim: bool) -> Any:
+def _metas(op: Any, spec: DTensorSpec, args: tuple, kwargs: dict) -> tuple[TensorMeta, ...]:
+    rest = _hashable(tuple(args[1:]))
+    return _global_outputs(op, spec, rest, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
+
+
+def _run_local(op: Any, x: Any, args: tuple, kwargs: dict, reduced: tuple[int, ...], keepdim: bool,
+               metas: tuple[TensorMeta, ...]) -> Any:
     """Run a reduction on the local block when every reduced dim is whole on every rank.
 
     An empty block (a short trailing shard of a kept dim) has an empty result: it is allocated,
@@ -249,7 +255,6 @@ def _run_local(op: Any, x: Any, args: tuple, kwargs: dict, reduced: tuple[int, .
     from shardwise.dtensor import DTensor
 
     spec = x._spec
-    metas = _global_outputs(op, spec, _hashable(tuple(args[1:])), tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
     placements = tuple(Shard(_out_dim(p.dim, reduced, keepdim)) if isinstance(p, Shard) else p for p in spec.placements)
     specs = [DTensorSpec(spec.mesh, placements, m) for m in metas]
     block = x._local_tensor
@@ -262,7 +267,7 @@ def _run_local(op: Any, x: Any, args: tuple, kwargs: dict, reduced: tuple[int, .
     return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
 
 
-def _stat_handler(rewrite: Callable[..., Any], dim_name: str = "dim") -> Callable:
+def _stat_handler(rewrite: Callable[..., Any]) -> Callable:
     """A custom handler: local run when nothing is split or pending, else ``rewrite``.
 
     ``rewrite(x, dims, keepdim, out_metas, bound)`` recomputes the op from ops that keep sums
@@ -277,11 +282,11 @@ def _stat_handler(rewrite: Callable[..., Any], dim_name: str = "dim") -> Callabl
         x = bound["self"]
         if not isinstance(x, DTensor):
             raise TypeError(f"{op}: expected a DTensor input, got {type(x).__name__}")
-        dims = reduced_dims(x.ndim, bound.get(dim_name))
+        dims = reduced_dims(x.ndim, bound.get("dim"))
         keepdim = bool(bound.get("keepdim", False))
+        metas = _metas(op, x._spec, args, kwargs)
         if not _needs_rewrite(x._spec, dims):
-            return _run_local(op, x, args, kwargs, dims, keepdim)
-        metas = _global_outputs(op, x._spec, _hashable(tuple(args[1:])), tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
+            return _run_local(op, x, args, kwargs, dims, keepdim, metas)
         return rewrite(x, list(dims), keepdim, metas, bound)
 
     return handler
