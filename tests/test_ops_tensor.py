@@ -24,7 +24,7 @@ def _index_cases(mesh) -> list[str]:
     rows = torch.tensor([0, 6, 2, 2])
     cols = torch.tensor([[1, 4], [0, 0]])
     rep = [R] * mesh.ndim
-    # (fn, extra inputs after x, their layouts)
+    # (fn, extra inputs after x, their layouts[, a dim written in place through an index])
     cases = [
         (lambda x: x[rows], [], []),
         (lambda x: x[:, cols], [], []),
@@ -34,10 +34,13 @@ def _index_cases(mesh) -> list[str]:
         (lambda x, i: x[:, :, i], [cols], [rep]),
         (lambda x: x.index_select(1, torch.tensor([4, 0, 1])), [], []),
         (lambda x, i: x.index_select(2, i), [torch.tensor([5, 0, 2])], [rep]),
-        (lambda x, v: _put(x, (slice(None), torch.tensor([1, 3])), v), [torch.randn(7, 2, 6)], [rep]),
+        (lambda x, v: _put(x, (slice(None), torch.tensor([1, 3])), v), [torch.randn(7, 2, 6)], [rep], 1),
         (lambda x, v: torch.index_put(x, (rows[:2],), v, accumulate=True), [torch.randn(6)], [rep]),
         (lambda x: torch.ops.aten.index_put(x, [None, torch.tensor([0, 2])], torch.tensor(3.0)), [], []),
         (lambda x: x.masked_fill(x > 0, 0.5), [], []),
+        (lambda x: _put(x, x > 0.5, torch.tensor(0.0)), [], []),                # x[x > .5] = 0
+        (lambda x, m: _put(x, (slice(None), m), torch.tensor(2.0)), [torch.rand(5, 6) > 0.5], [None]),
+        (lambda x: _put(x, torch.tensor([True, False, True, False, False, True, True]), torch.tensor(1.5)), [], []),
         (lambda x, m: x.masked_fill(m, torch.tensor(0.5)), [torch.rand(5, 1) > 0.5], [rep]),
         (lambda x: torch.where(x > 0, x, torch.zeros(())), [], []),
         (lambda x: x.topk(3, dim=1), [], []),
@@ -45,11 +48,11 @@ def _index_cases(mesh) -> list[str]:
         (lambda x: x.argsort(dim=0), [], []),
     ]
     failures = []
-    for k, (fn, extra, extra_layouts) in enumerate(cases):
+    for k, (fn, extra, extra_layouts, *written) in enumerate(cases):
         fn.__name__ = f"index_case_{k}"
-        for layout in layouts_for(mesh.ndim, 3):
-            if k == 8 and Shard(1) in layout:  # the _put case
-                continue  # in place along a sharded indexed dim: an error (see below)
+        for layout in layouts_for(mesh.ndim, 3, partial=mesh.ndim == 1):
+            if written and Shard(written[0]) in layout:
+                continue  # written in place along a sharded indexed dim: an error (see below)
             failures += check_op(fn, [x] + extra, [layout] + extra_layouts, mesh)
     return failures
 
@@ -71,7 +74,7 @@ def _gather_cases(mesh) -> list[str]:
     failures = []
     for k, (fn, inputs) in enumerate(cases):
         fn.__name__ = f"gather_case_{k}"
-        for la in layouts_for(mesh.ndim, 2):
+        for la in layouts_for(mesh.ndim, 2, partial=mesh.ndim == 1):
             for li in ([R] * mesh.ndim, la):
                 layouts = [la, li] + ([la] if len(inputs) == 3 else [])
                 if inputs[1].shape != x.shape and li is la:
@@ -91,7 +94,7 @@ def _fill_cases(mesh) -> list[str]:
     failures = []
     for k, fn in enumerate(cases):
         fn.__name__ = f"fill_case_{k}"
-        for la in layouts_for(mesh.ndim, 2):
+        for la in layouts_for(mesh.ndim, 2, partial=mesh.ndim == 1):
             failures += check_op(fn, [x], [la], mesh)
     return failures
 
@@ -136,6 +139,16 @@ def _layouts_kept():
         values, order = d.topk(2, dim=0)
     out["topk"] = (values.placements, order.placements, comms.get_total_counts(),
                    torch.equal(values.full_tensor(), x.topk(2, dim=0).values))
+    # Masked fills through index_put stay local: the mask is sharded (or cut) like the data.
+    m = sw.distribute_tensor(x, mesh, [Shard(0)])
+    rows = torch.tensor([True, False, False, True, True, False, True])
+    with CommDebugMode() as comms:
+        m[m < 0] = 0.0
+        m[rows] = 9.0
+    want = x.clone()
+    want[want < 0] = 0.0
+    want[rows] = 9.0
+    out["mask_fill"] = (m.placements, comms.get_total_counts(), torch.equal(m.full_tensor(), want))
     # The sorted dim is sharded: it is gathered first, and the result is still right.
     s = sw.distribute_tensor(x, mesh, [Shard(0)]).sort(dim=0)
     out["sort_sharded_dim"] = torch.equal(s.values.full_tensor(), x.sort(dim=0).values)
@@ -147,6 +160,7 @@ def test_indexing_and_sorting_keep_the_other_dims_sharded(dist):
         assert out["rows_of_col_sharded"] == ((Shard(1),), 0, True)
         assert out["sharded_index"] == ((Shard(0),), 0, True)
         assert out["topk"] == ((Shard(1),), (Shard(1),), 0, True)
+        assert out["mask_fill"] == ((Shard(0),), 0, True)
         assert out["sort_sharded_dim"]
 
 
@@ -168,27 +182,31 @@ def test_item_and_equal_read_the_whole_value(dist):
         assert same is True and other is False and sizes == (True, False)
 
 
-def _fill_partial_sum():
+def _fill_partial():
     mesh = sw.init_device_mesh("cpu", (4,))
+    rank = torch.distributed.get_rank()
     p = DTensor.from_local(torch.ones(3), mesh, [Partial()])
-    p.fill_(2.0)
-
-
-def _fill_partial_ok():
-    mesh = sw.init_device_mesh("cpu", (4,))
-    p = DTensor.from_local(torch.ones(3), mesh, [Partial()])
-    m = DTensor.from_local(torch.ones(3) * torch.distributed.get_rank(), mesh, [Partial("max")])
+    m = DTensor.from_local(torch.ones(3) * rank, mesh, [Partial("max")])
+    s = DTensor.from_local(torch.ones(3), mesh, [Partial()])
     with CommDebugMode() as comms:
         p.zero_()
         m.fill_(7.0)
-    return p.placements, p.full_tensor(), m.placements, m.full_tensor(), comms.get_total_counts()
+    kept = (p.placements, p.full_tensor(), m.placements, m.full_tensor(), comms.get_total_counts())
+    # Writing 2 on every rank of a Partial(sum) would mean 8: the pending sum is settled first.
+    with CommDebugMode() as comms:
+        same = s.fill_(2.0) is s
+    settled = (same, s.placements, s.full_tensor(), comms.get_total_counts())
+    return kept, settled
 
 
 def test_fill_keeps_layout_rules_honest_for_partial(dist):
-    dist.run_expect_error(4, _fill_partial_sum, match=r"aten\.fill_\.Scalar.*no layout of the inputs supports this op in place")
-    for placements, value, mplacements, mvalue, comms in dist.run(4, _fill_partial_ok):
+    for kept, settled in dist.run(4, _fill_partial):
+        placements, value, mplacements, mvalue, comms = kept
         assert placements == (Partial(),) and torch.equal(value, torch.zeros(3))
         assert mplacements == (Partial("max"),) and torch.equal(mvalue, torch.full((3,), 7.0)) and comms == 0
+        same, splacements, svalue, scomms = settled
+        assert same and not splacements[0].is_partial() and scomms > 0
+        assert torch.equal(svalue, torch.full((3,), 2.0))
 
 
 def _plain_source_is_data():

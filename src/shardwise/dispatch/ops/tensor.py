@@ -15,8 +15,12 @@ Plain integer tensors given as indices are taken as replicated, like int argumen
 ``values`` of ``index_put``: autograd's backward of ``index_put`` writes plain zeros.
 
 ``topk`` / ``sort`` need their dim whole; ``fill_`` / ``zero_`` keep the layout of the tensor
-they write, which rules out filling a Partial(sum) with anything but zero (every rank's value
-would be counted); ``item()`` needs the value replicated.
+they write, except that a Partial(sum) keeps its pending sum only through a fill with zero
+(any other value would be counted once per rank); ``item()`` needs the value replicated.
+
+Boolean masks work for writes (``x[mask] = v``, ``index_put``) but not for reads
+(``x[mask]``): the result's shape depends on the mask's values, which the layout propagation
+(run on meta tensors) cannot see.
 """
 
 from __future__ import annotations
@@ -45,27 +49,31 @@ def _partials(spec: DTensorSpec) -> list[Placement]:
     return list(dict.fromkeys(p for p in spec.placements if p.is_partial()))
 
 
-def _meta(value: Any) -> Any:
-    """A meta tensor standing for a spec or a plain tensor (None stays None)."""
-    if isinstance(value, (DTensorSpec, torch.Tensor)):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-    return value
-
-
 # ---------------------------------------------------------------------- advanced indexing
-def index_layout(ndim: int, indices: Sequence[Any]) -> tuple[dict[int, int], int, tuple[int, ...]]:
+def _is_mask(t: Any) -> bool:
+    return t is not None and t.dtype in (torch.bool, torch.uint8)
+
+
+def index_layout(shape: Sequence[int], indices: Sequence[Any]) -> tuple[dict[int, int], int, tuple[int, ...], tuple[int, ...]]:
     """Where ``x[indices]`` puts things: (non-indexed dim -> output dim, first index-result
-    dim, broadcast shape of the index tensors).
+    dim, broadcast shape of the index tensors, result shape).
 
     NumPy rules: the broadcast index dims replace the indexed dims in place when those are
-    adjacent, and go first otherwise.
+    adjacent, and go first otherwise. A k-dim boolean mask indexes k dims and gives one result
+    dim whose size depends on its values: it stands as size 1 here (only the kept dims' sizes
+    are used).
     """
-    indexed = [i for i, t in enumerate(indices) if t is not None]
-    shapes = [tuple(t.shape) for t in indices if t is not None]
+    indexed, shapes, d = [], [], 0
+    for t in indices:
+        width = t.ndim if _is_mask(t) else 1
+        if t is not None:
+            indexed += range(d, d + width)
+            shapes.append((1,) if _is_mask(t) else tuple(t.shape))
+        d += width
     bshape = tuple(torch.broadcast_shapes(*shapes)) if shapes else ()
     adjacent = indexed == list(range(indexed[0], indexed[-1] + 1)) if indexed else True
     first = indexed[0] if adjacent and indexed else 0
-    rest = [d for d in range(ndim) if d not in indexed]
+    rest = [d for d in range(len(shape)) if d not in indexed]
     kept = {}
     for d in rest:
         if adjacent and d < first:
@@ -74,7 +82,11 @@ def index_layout(ndim: int, indices: Sequence[Any]) -> tuple[dict[int, int], int
             kept[d] = d - len(indexed) + len(bshape)
         else:
             kept[d] = len(bshape) + rest.index(d)
-    return kept, first, bshape
+    result = [0] * (len(rest) + len(bshape))
+    for d, o in kept.items():
+        result[o] = shape[d]
+    result[first:first + len(bshape)] = bshape
+    return kept, first, bshape, tuple(result)
 
 
 def _index_specs(indices: Sequence[Any]) -> list[DTensorSpec]:
@@ -89,18 +101,20 @@ def _index_candidates(schema: OpSchema, put: bool) -> list[AxisCandidate]:
     idx_specs = _index_specs(indices)
     values = schema.arg(2, "values") if put else None
     vals = isinstance(values, DTensorSpec)
-    kept, first, bshape = index_layout(spec.ndim, indices)
+    kept, first, bshape, result_shape = index_layout(spec.shape, indices)
     idx_rep = (R,) * len(idx_specs)
-    result_shape = tuple(aten.index.Tensor(_meta(spec), [_meta(t) for t in indices]).shape)
     candidates: list[AxisCandidate] = []
     for d, o in kept.items():
         if spec.shape[d] > 1:
             out = Shard(d) if put else Shard(o)
             candidates.append((out, Shard(d)) + idx_rep + ((broadcast_dim(values, result_shape, o),) if vals else ()))
-    if not put and len(idx_specs) == sum(t is not None for t in indices):
+    if not put and len(idx_specs) == sum(t is not None for t in indices) and not any(map(_is_mask, indices)):
         for k, size in enumerate(bshape):
             if size > 1:
                 candidates.append((Shard(first + k), R) + tuple(broadcast_dim(t, bshape, k) for t in idx_specs))
+    position = _mask_fill(indices, values) if put else None
+    if position is not None:
+        candidates += _mask_fill_candidates(spec, indices[position], position, vals)
     for p in _partials(spec):
         if not put:
             candidates.append((p, p) + idx_rep)
@@ -108,6 +122,25 @@ def _index_candidates(schema: OpSchema, put: bool) -> list[AxisCandidate]:
             candidates.append((p, p) + idx_rep + (p,))  # each rank writes its contributions
     candidates.append((R, R) + idx_rep + ((R,) if vals else ()))
     return candidates
+
+
+def _mask_fill(indices: Sequence[Any], values: Any) -> int | None:
+    """The position of the one boolean mask when ``x[mask] = scalar`` is a masked fill (so
+    elementwise: the masked dims may stay sharded, the mask sharded alike), else None."""
+    given = [i for i, t in enumerate(indices) if t is not None]
+    if len(given) == 1 and _is_mask(indices[given[0]]) and values.ndim == 0:
+        return given[0]
+    return None
+
+
+def _mask_fill_candidates(spec: DTensorSpec, mask: Any, position: int, vals: bool) -> list[AxisCandidate]:
+    """(output, self, mask if a DTensor, values if a DTensor): a masked dim sharded alike."""
+    mask_shard = isinstance(mask, DTensorSpec)
+    return [
+        (Shard(position + j), Shard(position + j)) + ((Shard(j),) if mask_shard else ()) + ((R,) if vals else ())
+        for j in range(mask.ndim)
+        if spec.shape[position + j] > 1
+    ]
 
 
 @register_strategy(aten.index.Tensor, aten._unsafe_index.Tensor)
@@ -127,12 +160,14 @@ def index_put_strategy(schema: OpSchema) -> list[Candidate]:
     """
     candidates = expand(_index_candidates(schema, put=True), 1, schema.mesh.ndim)
     values = schema.arg(2, "values")
-    if isinstance(values, torch.Tensor) and values.ndim > 0:
-        spec = schema.specs[0]
-        indices = list(schema.arg(1, "indices"))
-        kept = index_layout(spec.ndim, indices)[0]
-        result_ndim = aten.index.Tensor(_meta(spec), [_meta(t) for t in indices]).ndim
-        lead = result_ndim - values.ndim
+    indices = list(schema.arg(1, "indices"))
+    position = _mask_fill(indices, values)
+    if position is not None and isinstance(indices[position], torch.Tensor):
+        rewrite = _plain_mask_rewrite(position, indices[position].ndim)
+        candidates = [replace(c, rewrite=rewrite) for c in candidates]
+    elif isinstance(values, torch.Tensor) and values.ndim > 0:
+        kept, _, _, result_shape = index_layout(schema.specs[0].shape, list(schema.arg(1, "indices")))
+        lead = len(result_shape) - values.ndim
         dims = {d: o - lead for d, o in kept.items() if o - lead >= 0 and values.shape[o - lead] != 1}
         candidates = [replace(c, rewrite=_plain_values_rewrite(dims)) for c in candidates]
     return candidates
@@ -154,6 +189,27 @@ def _plain_values_rewrite(dims: dict[int, int]) -> Callable:
             args[2] = values
         else:
             kwargs = {**kwargs, "values": values}
+        return args, kwargs
+
+    return rewrite
+
+
+def _plain_mask_rewrite(position: int, width: int) -> Callable:
+    """Narrow a plain (replicated) mask to the block of self this rank writes: mask dim ``j``
+    is self dim ``position + j``."""
+
+    def rewrite(args: list, kwargs: dict, output_specs: tuple) -> tuple[list, dict]:
+        shape, offset = output_specs[0].local_shape_and_offset()
+        full = output_specs[0].shape
+        indices = list(args[1])
+        mask = indices[position]
+        for j in range(width):
+            d = position + j
+            if shape[d] != full[d]:
+                mask = mask.narrow(j, offset[d], shape[d])
+        indices[position] = mask
+        args = list(args)
+        args[1] = indices
         return args, kwargs
 
     return rewrite
@@ -283,7 +339,8 @@ def _fill_keeps(p: Placement, value: Any) -> bool:
 @register_strategy(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
 def fill_strategy(schema: OpSchema) -> list[AxisCandidate]:
     """In place: self keeps its layout. Filling a Partial(sum) with a nonzero value (or an
-    unknown tensor) would count it once per rank: no candidate, so it is an error."""
+    unknown tensor) would count it once per rank: no candidate keeps it, so the dispatcher
+    settles the pending sum first (the in-place rule of ``propagation``)."""
     spec = schema.specs[0]
     value = 0 if schema.op is aten.zero_.default else schema.arg(1, "value")
     value_spec = (R,) if isinstance(value, DTensorSpec) else ()
@@ -322,8 +379,8 @@ def equal_strategy(schema: OpSchema) -> list[AxisCandidate]:
 
 
 # ---------------------------------------------------------------------- masked fill
-register_strategy(aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,
-                  replace=True)(pointwise_axis_candidates)
+# masked_fill.Scalar is tagged pointwise; the Tensor-value overloads are not.
+register_strategy(aten.masked_fill.Tensor, aten.masked_fill_.Tensor, replace=True)(pointwise_axis_candidates)
 
 allow_plain_indices(aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default,
                     aten.index_add.default, aten.index_add_.default)

@@ -182,13 +182,16 @@ def _view_out_shape(spec: DTensorSpec, size: Sequence[int]) -> tuple[int, ...]:
     return tuple(_meta(spec).reshape(size).shape)
 
 
+_VIEW_SIZE = size_rewrite(1, "size")
+
+
 def _viewable_rewrite(args: list, kwargs: dict, output_specs: tuple) -> tuple[list, dict]:
     """Local size for view; a local block whose strides cannot take the view is made contiguous.
 
     That happens only when the local block's strides differ from what the global view assumed
     (after a redistribute, for instance); the result then does not alias the input.
     """
-    args, kwargs = size_rewrite(1, "size")(args, kwargs, output_specs)
+    args, kwargs = _VIEW_SIZE(args, kwargs, output_specs)
     local = args[0]
     if not local.is_contiguous():
         try:
@@ -234,7 +237,8 @@ def unsqueeze_strategy(schema: OpSchema) -> list[AxisCandidate]:
 def squeeze_strategy(schema: OpSchema) -> list[Candidate]:
     """Squeeze only the dims that are size 1 GLOBALLY: a sharded dim may be 1 (or 0) locally."""
     spec = schema.specs[0]
-    squeezed = sorted({_norm(d, spec.ndim) for d in schema.arg(1, "dim") if spec.shape[_norm(d, spec.ndim)] == 1})
+    dims = {_norm(d, spec.ndim) for d in schema.arg(1, "dim")} if spec.ndim else set()
+    squeezed = sorted(d for d in dims if spec.shape[d] == 1)
     dim_map = [None if d in squeezed else d - sum(s < d for s in squeezed) for d in range(spec.ndim)]
 
     def rewrite(args: list, kwargs: dict, output_specs: tuple) -> tuple[list, dict]:
@@ -322,7 +326,7 @@ def split_strategy(schema: OpSchema) -> list[AxisCandidate]:
 
 # ---------------------------------------------------------------------- joining
 def _joined(schema: OpSchema) -> tuple[list, int]:
-    """The DTensor inputs of cat/stack and the join dim, normalized."""
+    """The DTensor inputs of cat/stack and the join dim (as given: may be negative)."""
     tensors = [t for t in schema.arg(0, "tensors") if isinstance(t, DTensorSpec)]
     return tensors, schema.arg(1, "dim", 0)
 
@@ -449,6 +453,19 @@ def to_copy_strategy(schema: OpSchema) -> list[AxisCandidate]:
         if _converts_partial(p.reduce_op, spec.dtype, dtype):
             candidates.append((p, p))
     return candidates + [(R, R)]
+
+
+@register_custom_handler(aten.to.dtype)
+def to_dtype_handler(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``to(dtype)`` reached from inside a decomposition: the tensor itself when nothing
+    changes (as ``Tensor.to`` does), else ``_to_copy``."""
+    x = args[0]
+    dtype = args[1] if len(args) > 1 else kwargs["dtype"]
+    copy = args[3] if len(args) > 3 else kwargs.get("copy", False)
+    memory_format = args[4] if len(args) > 4 else kwargs.get("memory_format")
+    if dtype == x.dtype and not copy and memory_format in (None, torch.preserve_format):
+        return x
+    return aten._to_copy.default(x, dtype=dtype, memory_format=memory_format)
 
 
 def _converts_partial(reduce_op: str, src: torch.dtype, dst: torch.dtype) -> bool:
