@@ -24,16 +24,30 @@ Every tensor output is read back with ``full_tensor()`` and compared with the re
   that is a hang or a silently mismatched collective; here it is detected without hanging:
 
   - every (library, layout) pair runs on its own gloo process group (and mesh);
-  - a rank whose case raised destroys that group at once: a peer left waiting in a collective
-    the raising rank will never enter gets "Connection closed by peer" instead of hanging (a
-    short group timeout, --op-timeout, is the backstop for a peer that went on without raising);
+  - after every case each rank posts "done" to the job's key-value store and waits for the
+    others' posts. A rank whose case raised waits only --release-after seconds: a peer that has
+    not posted by then is presumed stuck in a collective this rank will never enter, so this rank
+    tears the group down (shuts its sockets): the peer gets "Connection closed by peer" and
+    raises instead of hanging (and in turn tears down its own). The group timeout
+    (--op-timeout) is the backstop for a peer that went on without anyone raising;
   - after each sample, the ranks exchange their per-case status (outcome, first line of the
     error, collectives issued on that group: ``_get_sequence_number_for_group``) over a separate
     control group that nothing else uses, which every rank reaches because errors are caught
     per rank;
-  - a group where any rank raised is replaced on every rank by a fresh one (a new mesh with a
-    new axis name, so no cached sharding decision refers to the old group; the libraries'
-    sharding caches are cleared now and then so old groups' sockets are released).
+  - a group that was torn down, or where the ranks did not all raise the same error after the
+    same number of collectives, is replaced on every rank by a fresh one (a new mesh with a new
+    axis name, so no cached sharding decision refers to the old group; the libraries' caches
+    are cleared now and then so that old groups can be freed).
+
+Before ``full_tensor``, every rank checks that its block of each DTensor output has the shape
+the output's layout says (torch.chunk semantics): a block that does not (e.g. a squeeze that
+dropped a sharded dim on one rank only) is a wrong result, reported before it can feed a gloo
+collective blocks of mismatched sizes -- which gloo answers by aborting the process.
+
+Crashes: an abort still kills every worker. The script then starts them again from the op that
+was running (found from the per-rank progress files), with the library that crashed it left out
+of that op, and reports the op as a crash for that library. Results accumulate in a state folder
+so nothing already run is lost.
 
 Random ops (bernoulli, normal, dropout, rand_like...) and ops whose values are unspecified
 (empty_like...) are reported separately: only shapes and dtypes are compared. Ops whose samples
@@ -46,21 +60,27 @@ import argparse
 import datetime
 import hashlib
 import itertools
+import json
 import logging
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 import types
 import unittest
 import warnings
 from dataclasses import dataclass, field
 
-from shardwise.launch import main_or_launch
+from _gloo_slots import Slot, clear_caches, is_comm_failure, open_fds
+from shardwise.launch import launch, under_launcher
 
 NPROC = 4
 LIBS = ("shardwise", "torch")
 MODES = ("R", "S0")
+KINDS = ("pass", "wrong", "error", "desync", "crash")
+MAX_LAUNCHES = 40
 
 # Common ops for --quick (base names: every OpInfo variant of the name is included).
 QUICK_OPS = (
@@ -89,7 +109,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--atol", type=float, default=1e-4)
     p.add_argument("--op-timeout", type=float, default=20.0,
                    help="seconds a rank waits in a collective of an op before it counts as desynced")
+    p.add_argument("--release-after", type=float, default=2.0,
+                   help="seconds a rank that raised waits for its peers before tearing the group down")
     p.add_argument("-v", "--verbose", action="store_true", help="print every failing case")
+    p.add_argument("--_state", default=None, help=argparse.SUPPRESS)  # parent <-> workers folder
+    p.add_argument("--_start", type=int, default=0, help=argparse.SUPPRESS)  # first op index
     args = p.parse_args(argv)
     if args.samples is None:
         args.samples = 4 if args.quick else 8
@@ -146,12 +170,11 @@ def first_line(err: BaseException) -> str:
 class Case:
     """One rank's outcome of one (sample, library, layout)."""
 
-    kind: str  # "pass", "wrong", "error", "skip"
+    kind: str  # "pass", "wrong", "error"
     msg: str = ""
     collectives: int = 0
-
-    def same(self, other: "Case") -> bool:
-        return (self.kind, self.msg, self.collectives) == (other.kind, other.msg, other.collectives)
+    stray: bool = False  # this rank left the op early (it raised, or saw a bad block)
+    broke: bool = False  # this rank tore the case's group down
 
 
 @dataclass
@@ -160,7 +183,7 @@ class OpResult:
 
     name: str
     random: bool
-    counts: dict = field(default_factory=lambda: {"pass": 0, "wrong": 0, "error": 0, "desync": 0})
+    counts: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     first: dict = field(default_factory=dict)  # kind -> first message of that kind
 
     def add(self, kind: str, msg: str) -> None:
@@ -176,68 +199,18 @@ class OpResult:
     def passing(self) -> bool:
         return self.cases > 0 and self.counts["pass"] == self.cases
 
+    def to_json(self) -> dict:
+        return {"name": self.name, "random": self.random, "counts": self.counts, "first": self.first}
+
+    @staticmethod
+    def from_json(d: dict) -> "OpResult":
+        r = OpResult(d["name"], d["random"])
+        r.counts.update(d["counts"])
+        r.first.update(d["first"])
+        return r
+
 
 # ====================================================================== per-rank machinery
-class Slot:
-    """A library's mesh on its own process group, for one layout; replaced once any rank raised on it."""
-
-    def __init__(self, h: "Harness", lib: str, mode: str) -> None:
-        import torch.distributed as dist
-
-        h.generation += 1
-        name = f"{lib[:2]}{mode}g{h.generation}"  # new name: no cached decision refers to old groups
-        before = _socket_fds()
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=h.args.op_timeout))
-        after = _socket_fds()
-        # This group's listener and peer connections, as (fd, inode): gloo closes a pair's fd when
-        # the peer goes away and the number may then be reused, so the inode is checked again.
-        self.sockets = sorted((fd, ino) for fd, ino in after.items() if before.get(fd) != ino)
-        if lib == "shardwise":
-            self.mesh = h.sw.DeviceMesh("cpu", list(range(h.world)), mesh_dim_names=(name,))
-            self.mesh._groups = [self.group]  # run this mesh's collectives on the dedicated group
-        else:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            self.mesh = DeviceMesh.from_group(self.group, "cpu", mesh_dim_names=(name,))
-        self.alive = True
-
-    def seq(self) -> int:
-        return int(self.group._get_sequence_number_for_group()) if self.alive else -1
-
-    def destroy(self) -> None:
-        """Tear the group down so that peers blocked in one of its collectives fail at once.
-
-        Destroying a gloo group does not close its connections while anything still refers to
-        it (the library's caches do), so its peer sockets are shut down directly: a peer waiting
-        on this rank gets "Connection closed by peer", raises and shuts down its own in turn.
-        """
-        import socket
-
-        import torch.distributed as dist
-
-        if not self.alive:
-            return
-        self.alive = False
-        try:
-            dist.destroy_process_group(self.group)
-        except Exception:  # noqa: BLE001 - already broken; it only has to go away
-            pass
-        for fd, ino in self.sockets:
-            try:
-                if os.fstat(fd).st_ino != ino:
-                    continue  # closed by gloo, and the number reused by another socket
-                sock = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue
-            try:
-                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # never the listener
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            finally:
-                sock.close()  # the duplicate only; the group closes its own when freed
-
-
 class Harness:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
@@ -251,11 +224,27 @@ class Harness:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.generation = 0
         ctrl_timeout = 4 * args.op_timeout + 600
-        self.ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctrl_timeout))
-        self.slots = {(lib, mode): Slot(self, lib, mode) for lib in args.lib_list for mode in MODES}
+        self.long_wait = datetime.timedelta(seconds=ctrl_timeout)
+        self.ctrl = dist.new_group(backend="gloo", timeout=self.long_wait)
+        self.store = dist.PrefixStore("op_coverage/", dist.distributed_c10d._get_default_store())
+        self.slots = {(lib, mode): self.new_slot(lib, mode) for lib in args.lib_list for mode in MODES}
         self.replaced = 0  # slots replaced since the libraries' caches were last cleared
         self.replaced_total = 0
         self.dtensor_types = (sw.DTensor, tdt.DTensor)
+        self.state = args._state
+        self.excluded = _read_excluded(self.state)  # {op name: [libs]} that crashed a rank before
+        self.position: tuple = ()
+
+    def mark(self, *position) -> None:
+        """Record where this rank is (op index, sample, case...): the parent reads it after a crash."""
+        self.position = position
+        if self.state:
+            with open(os.path.join(self.state, f"at.{self.rank}.json"), "w") as f:
+                json.dump(list(position), f)
+
+    def new_slot(self, lib: str, mode: str) -> Slot:
+        self.generation += 1
+        return Slot(lib, f"{lib[:2]}{mode}g{self.generation}", self.world, self.args.op_timeout)
 
     def say(self, *a) -> None:
         if self.rank == 0:
@@ -288,6 +277,8 @@ class Harness:
         torch = self.torch
         slot = self.slots[(lib, mode)]
         before = slot.seq()
+        if os.environ.get("OP_COVERAGE_CRASH_TEST") == f"{full_name(opinfo)}:{lib}" and self.rank == 1:
+            os.abort()  # test hook: check that a crash is survived and blamed on this op and library
         try:
             first = True
             dleaves = []
@@ -300,16 +291,37 @@ class Harness:
             inp, args, kwargs = tree_unflatten(dleaves, spec)
             out = opinfo(inp, *args, **kwargs)
             out_leaves, _ = tree_flatten(out)
+            bad = self.bad_block(out_leaves)
+            if bad:
+                # Reading it back would feed a collective mismatched sizes (gloo aborts).
+                return Case("wrong", bad, slot.seq() - before, stray=True)
             got = [x.full_tensor() if isinstance(x, self.dtensor_types) else x for x in out_leaves]
             problem = self.compare(got, expected, rand)
             case = Case("wrong", problem) if problem else Case("pass")
         except Exception as err:  # noqa: BLE001 - a verdict per case
-            case = Case("error", first_line(err))
-            case.collectives = slot.seq() - before
-            slot.destroy()  # release any peer waiting for this rank in a collective
-            return case
+            return Case("error", first_line(err), slot.seq() - before, stray=True)
         case.collectives = slot.seq() - before
         return case
+
+    def bad_block(self, out_leaves: list) -> str:
+        """'' unless this rank's block of a DTensor output is not the shape its layout implies."""
+        for i, x in enumerate(out_leaves):
+            if not isinstance(x, self.dtensor_types):
+                continue
+            want = list(x.shape)
+            for p in x.placements:  # a 1-D mesh: one placement
+                if type(p).__name__ == "_StridedShard":
+                    return ""
+                if p.is_shard():
+                    size = want[p.dim]
+                    chunk = -(-size // self.world)
+                    start = min(self.rank * chunk, size)
+                    want[p.dim] = max(0, min(size, start + chunk) - start)
+            got = list(x.to_local().shape)
+            if got != want:
+                return (f"output {i}: rank {self.rank} holds a {got} block where {list(x.placements)} of "
+                        f"{list(x.shape)} needs {want}")
+        return ""
 
     def compare(self, got: list, expected: list, rand: bool) -> str:
         torch = self.torch
@@ -375,18 +387,22 @@ class Harness:
         out, _ = tree_flatten(opinfo(inp, *args, **kwargs))
         return out
 
-    def run_op(self, opinfo) -> dict[str, OpResult] | str:
+    def run_op(self, index: int, opinfo) -> dict[str, OpResult] | str:
         """Per-library results of one op, or why it was skipped (the same on every rank)."""
         torch = self.torch
         rand = is_random(opinfo)
-        results = {lib: OpResult(full_name(opinfo), rand) for lib in self.args.lib_list}
+        name = full_name(opinfo)
+        libs = [lib for lib in self.args.lib_list if lib not in self.excluded.get(name, ())]
+        results = {lib: OpResult(name, rand) for lib in libs}
+        if not libs:
+            return "crashed a rank in every library"
         try:
             samples = self.samples(opinfo)
         except Exception as err:  # noqa: BLE001
             return self.agree_skip(f"sample_inputs raised {first_line(err)}")
         ran_any = False
         skip_why = "no samples"
-        for sample in samples:
+        for sample_no, sample in enumerate(samples):
             leaves, spec, why, digest = self.prepare(sample)
             expected = None
             if why is None:
@@ -400,8 +416,11 @@ class Harness:
                 for mode in MODES:
                     if mode == "S0" and (first.dim() == 0 or first.shape[0] == 0):
                         continue
-                    for lib in self.args.lib_list:
-                        mine[(lib, mode)] = self.run_case(opinfo, leaves, spec, expected, lib, mode, rand)
+                    for lib in libs:
+                        self.mark(index, sample_no, mode, lib, name, rand)
+                        case = self.run_case(opinfo, leaves, spec, expected, lib, mode, rand)
+                        self.settle(f"{index}/{sample_no}/{mode}/{lib}", case, self.slots[(lib, mode)])
+                        mine[(lib, mode)] = case
             everyone: list = [None] * self.world
             self.dist.all_gather_object(everyone, mine, group=self.ctrl)
             if any(e["why"] for e in everyone):
@@ -417,12 +436,38 @@ class Harness:
                 results[key[0]].add(kind, msg)
                 if self.args.verbose and kind != "pass":
                     self.say(f"    {full_name(opinfo)} [{key[0]} {key[1]}] sample {_describe(sample)}: {kind}: {msg}")
-                if any(e[key].kind == "error" for e in everyone):
-                    broken.append(key)  # some rank destroyed its group
+                if self.needs_new_group([e[key] for e in everyone]):
+                    broken.append(key)
             self.replace_slots(broken)
         if self.replaced >= 16:
             self.clear_caches()
         return results if ran_any else skip_why
+
+    def settle(self, case_id: str, case: Case, slot: Slot) -> None:
+        """Wait until every rank is done with this case, releasing peers stuck because of us."""
+        self.store.set(f"{case_id}/{self.rank}", b"1")
+        keys = [f"{case_id}/{r}" for r in range(self.world)]
+        if case.stray:
+            if is_comm_failure(case.msg):
+                case.broke = True  # the group is broken already: pass the failure on at once
+                slot.destroy()
+            else:
+                try:
+                    self.store.wait(keys, datetime.timedelta(seconds=self.args.release_after))
+                    return
+                except Exception:  # noqa: BLE001 - a peer is (presumably) waiting for us
+                    case.broke = True
+                    slot.destroy()
+        self.store.wait(keys, self.long_wait)
+
+    @staticmethod
+    def needs_new_group(cases: list[Case]) -> bool:
+        """A group is reused only if every rank did the same thing on it."""
+        if any(c.broke for c in cases) or not any(c.stray for c in cases):
+            return any(c.broke for c in cases)
+        first = cases[0]
+        return any((c.kind, c.msg, c.collectives, c.stray) != (first.kind, first.msg, first.collectives, first.stray)
+                   for c in cases)
 
     def agree_skip(self, why: str) -> str:
         everyone: list = [None] * self.world
@@ -434,9 +479,12 @@ class Harness:
         """One verdict from every rank's outcome of a case (and, for a desync, its root cause)."""
         kinds = {c.kind for c in cases}
         counts = [c.collectives for c in cases]
+        blocks = [c.msg for c in cases if c.kind == "wrong" and c.stray]
+        if blocks:  # a rank held a block its layout does not allow; peers then lost the group
+            return "wrong", blocks[0]
         errors = [(r, c.msg) for r, c in enumerate(cases) if c.kind == "error"]
         # The error a rank raised by itself, not the one it got because a peer left a collective.
-        roots = [(r, m) for r, m in errors if not _is_comm_failure(m)] or errors
+        roots = [(r, m) for r, m in errors if not is_comm_failure(m)] or errors
         cause = ""
         if roots:
             ranks = [r for r, m in roots if m == roots[0][1]]
@@ -448,7 +496,7 @@ class Harness:
             return "desync", f"collectives issued per rank {counts}" + (f"; {cause}" if cause else "")
         if kinds == {"error"}:
             msgs = {m for _, m in errors}
-            if len(msgs) > 1 and any(_is_comm_failure(m) for m in msgs):
+            if len(msgs) > 1 and any(is_comm_failure(m) for m in msgs):
                 return "desync", f"ranks raised different errors; {cause}"
             return "error", errors[0][1] if len(msgs) == 1 else " | ".join(sorted(msgs))[:300]
         if "wrong" in kinds:
@@ -464,7 +512,7 @@ class Harness:
         for key in keys:
             self.slots[key].destroy()
         for key in keys:
-            self.slots[key] = Slot(self, *key)
+            self.slots[key] = self.new_slot(*key)
         if keys:
             # new_group can return on one rank before a peer has accepted its connections: no
             # rank may use (or shut down) the new groups until every rank has them.
@@ -473,21 +521,7 @@ class Harness:
         self.replaced_total += len(keys)
 
     def clear_caches(self) -> None:
-        """Drop cached sharding decisions: they hold old meshes, whose groups hold sockets."""
-        import gc
-
-        from shardwise.dispatch.dispatcher import clear_cache
-
-        clear_cache()
-        try:
-            from torch.distributed.tensor._redistribute import _gen_transform_infos
-            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-            _clear_sharding_prop_cache()
-            _gen_transform_infos.cache_clear()
-        except Exception:  # noqa: BLE001 - private torch helpers; a leak is not an error
-            pass
-        gc.collect()
+        clear_caches()
         self.replaced = 0
 
     # ------------------------------------------------------------------ main
@@ -495,29 +529,28 @@ class Harness:
         torch = self.torch
         start = time.perf_counter()
         ops = select_ops(load_op_db(), self.args)
-        self.say(f"op coverage: OpInfo float32 CPU samples (first {self.args.samples} per op), "
-                 f"{len(ops)} OpInfos, mesh ({self.world},) gloo, layouts {'/'.join(MODES)}, "
-                 f"torch {torch.__version__}, libraries: {', '.join(self.args.lib_list)}")
-        per_lib: dict[str, list[OpResult]] = {lib: [] for lib in self.args.lib_list}
-        skipped: dict[str, str] = {}
-        for index, opinfo in enumerate(ops):
+        if self.args._start == 0:
+            self.say(f"op coverage: OpInfo float32 CPU samples (first {self.args.samples} per op), "
+                     f"{len(ops)} OpInfos, mesh ({self.world},) gloo, layouts {'/'.join(MODES)}, "
+                     f"torch {torch.__version__}, libraries: {', '.join(self.args.lib_list)}")
+        for index in range(self.args._start, len(ops)):
+            opinfo = ops[index]
             t0 = time.perf_counter()
-            res = self.run_op(opinfo)
+            res = self.run_op(index, opinfo)
+            record = {"index": index, "name": full_name(opinfo)}
             if isinstance(res, str):
-                skipped[full_name(opinfo)] = res
-                continue
-            for lib, r in res.items():
-                per_lib[lib].append(r)
-            self.say(_op_line(index, len(ops), res, time.perf_counter() - t0))
-        if self.rank == 0:
-            report(per_lib, skipped, time.perf_counter() - start)
+                record["skip"] = res
+            else:
+                record["results"] = {lib: r.to_json() for lib, r in res.items()}
+                self.say(_op_line(index, len(ops), res, time.perf_counter() - t0))
+            self.save(record)
+        self.save({"done": len(ops), "seconds": time.perf_counter() - start})
         return 0
 
-
-def _is_comm_failure(msg: str) -> bool:
-    """An error a rank gets when a peer left a collective (it destroyed the group, or timed out)."""
-    low = msg.lower()
-    return any(w in low for w in ("connection closed", "timed out", "timeout", "connection reset", "broken pipe"))
+    def save(self, record: dict) -> None:
+        if self.rank == 0 and self.state:
+            with open(os.path.join(self.state, "results.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
 
 
 def _same_value(a, e) -> bool:
@@ -548,7 +581,7 @@ def _counts(r: OpResult) -> str:
     c = r.counts
     if r.passing:
         return f"{c['pass']}/{r.cases} pass"
-    parts = [f"{c['pass']}/{r.cases} pass"] + [f"{c[k]} {k}" for k in ("wrong", "error", "desync") if c[k]]
+    parts = [f"{c['pass']}/{r.cases} pass"] + [f"{c[k]} {k}" for k in KINDS[1:] if c[k]]
     return " ".join(parts)
 
 
@@ -559,7 +592,7 @@ def _op_line(index: int, total: int, res: dict[str, OpResult], seconds: float) -
     lines = [head]
     for lib, r in res.items():
         line = f"    {lib:<9} {_counts(r)}"
-        for kind in ("desync", "wrong", "error"):
+        for kind in ("crash", "desync", "wrong", "error"):
             if kind in r.first:
                 line += f" | {kind}: {r.first[kind][:220]}"
                 break
@@ -575,47 +608,29 @@ def report(per_lib: dict[str, list[OpResult]], skipped: dict[str, str], elapsed:
     for lib, results in per_lib.items():
         plain = [r for r in results if not r.random]
         rand = [r for r in results if r.random]
-        tot = {k: sum(r.counts[k] for r in plain) for k in ("pass", "wrong", "error", "desync")}
+        tot = {k: sum(r.counts[k] for r in plain) for k in KINDS}
         passing = [r for r in plain if r.passing]
         desync = [r.name for r in results if r.counts["desync"]]
+        crash = [r.name for r in results if r.counts["crash"]]
         wrong = [r.name for r in plain if r.counts["wrong"]]
-        error = [r.name for r in plain if r.counts["error"] and not r.counts["wrong"] and not r.counts["desync"]]
+        error = [r.name for r in plain if r.counts["error"] and not (r.counts["wrong"] or r.counts["desync"]
+                                                                     or r.counts["crash"])]
         print(f"{lib}: ops tried {len(plain)}, ops fully passing {len(passing)}, "
-              f"cases pass {tot['pass']} / wrong {tot['wrong']} / error {tot['error']} / desync {tot['desync']}")
+              f"cases pass {tot['pass']} / wrong {tot['wrong']} / error {tot['error']} / desync {tot['desync']}"
+              + (f" / crash {tot['crash']}" if tot["crash"] else ""))
         print(f"  {lib} desync ops ({len(desync)}): {', '.join(desync) or '-'}")
+        print(f"  {lib} crash ops ({len(crash)}): {', '.join(crash) or '-'}")
         print(f"  {lib} wrong ops ({len(wrong)}): {', '.join(wrong) or '-'}")
         print(f"  {lib} error-only ops ({len(error)}): {', '.join(error) or '-'}")
         r_ok = [r.name for r in rand if r.passing]
-        r_bad = [f"{r.name} ({'desync' if r.counts['desync'] else 'wrong' if r.counts['wrong'] else 'error'})"
-                 for r in rand if not r.passing]
+        r_bad = [f"{r.name} ({next(k for k in ('crash', 'desync', 'wrong', 'error') if r.counts[k])})"
+                 for r in rand if not r.passing and r.cases]
         print(f"  {lib} random ops ({len(rand)}; shapes/dtypes only): {len(r_ok)} ran on every case"
               + (f"; not: {', '.join(r_bad)}" if r_bad else ""))
         print(f"RESULT {lib}: ops_tried={len(plain)} ops_passing={len(passing)} cases_pass={tot['pass']} "
               f"cases_wrong={tot['wrong']} cases_error={tot['error']} cases_desync={tot['desync']} "
-              f"wrong_ops={len(wrong)} desync_ops={len(desync)}")
+              f"wrong_ops={len(wrong)} desync_ops={len(desync)} crash_ops={len(crash)}")
     print(f"elapsed: {elapsed:.1f} s", flush=True)
-
-
-def _socket_fds() -> dict[int, int]:
-    """This process's open socket file descriptors and their inodes."""
-    import stat
-
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            st = os.fstat(int(name))
-        except (OSError, ValueError):
-            continue
-        if stat.S_ISSOCK(st.st_mode):
-            out[int(name)] = st.st_ino
-    return out
-
-
-def _open_fds() -> int:
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return -1
 
 
 # ====================================================================== the worker
@@ -630,16 +645,125 @@ def worker() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4 * args.op_timeout + 600))
     if dist.get_world_size() != NPROC:
         raise SystemExit(f"needs {NPROC} ranks, got {dist.get_world_size()}")
+    if args._state:
+        import faulthandler
+
+        # A rank that aborts (gloo, a segfault) leaves its traceback here: the parent learns
+        # which rank crashed, hence which case to blame.
+        fault = open(os.path.join(args._state, f"fault.{dist.get_rank()}.txt"), "w")  # noqa: SIM115
+        faulthandler.enable(file=fault)
     harness = Harness(args)
     status = harness.run()
     if harness.rank == 0 and args.verbose:
-        print(f"(groups replaced: {harness.replaced_total}; open fds on rank 0: {_open_fds()})", flush=True)
+        print(f"(groups replaced: {harness.replaced_total}; open fds on rank 0: {open_fds()}, "
+              f"threads: {len(os.listdir('/proc/self/task'))})", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # Replaced groups may still hold timed-out work; tearing everything down can block. Leave.
     os._exit(status)
 
 
+# ====================================================================== the parent
+def _read_excluded(state: str | None) -> dict[str, list[str]]:
+    if not state or not os.path.exists(os.path.join(state, "excluded.json")):
+        return {}
+    with open(os.path.join(state, "excluded.json")) as f:
+        return json.load(f)
+
+
+def _read_records(state: str) -> list[dict]:
+    path = os.path.join(state, "results.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _crash_site(state: str, start: int) -> list | None:
+    """Where the rank that crashed was (the earliest such position); else the earliest of any rank.
+
+    A crashing rank leaves a traceback in its fault file (faulthandler); the others, stopped by
+    the launcher with SIGTERM, do not.
+    """
+    sites, crashed = [], []
+    for rank in range(NPROC):
+        path = os.path.join(state, f"at.{rank}.json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            try:
+                site = json.load(f)
+            except ValueError:
+                continue
+        if not site or site[0] < start:
+            continue
+        sites.append(site)
+        fault = os.path.join(state, f"fault.{rank}.txt")
+        if os.path.exists(fault) and os.path.getsize(fault) > 0:
+            crashed.append(site)
+    key = lambda s: tuple(s[:2]) + (MODES.index(s[2]), LIBS.index(s[3]))  # noqa: E731
+    pool = crashed or sites
+    return min(pool, key=key) if pool else None
+
+
+def parent(args: argparse.Namespace) -> int:
+    """Launch the workers; after a crash, relaunch from the op that crashed, without its library."""
+    script = os.path.abspath(sys.argv[0])
+    state = tempfile.mkdtemp(prefix="op_coverage.")
+    start_time = time.perf_counter()
+    crashes: dict[str, dict[str, tuple]] = {}  # op -> lib -> (where, random op)
+    start = 0
+    try:
+        for _ in range(MAX_LAUNCHES):
+            for rank in range(NPROC):
+                for path in (os.path.join(state, f"at.{rank}.json"), os.path.join(state, f"fault.{rank}.txt")):
+                    if os.path.exists(path):
+                        os.remove(path)
+            code = launch([script, *sys.argv[1:], f"--_state={state}", f"--_start={start}"], NPROC)
+            records = _read_records(state)
+            if any("done" in r for r in records):
+                break
+            site = _crash_site(state, start)
+            if site is None:
+                print(f"\nFAILED: the workers stopped (status {code}) before running any op", flush=True)
+                return 1
+            index, sample, mode, lib, name, rand = site
+            print(f"\n!! CRASH: op {name} ({lib}, layout {mode}, sample {sample}) brought the workers down "
+                  f"(status {code}); restarting from it without {lib}\n", flush=True)
+            crashes.setdefault(name, {})[lib] = (f"crashed a rank (layout {mode}, sample {sample})", rand)
+            excluded = _read_excluded(state)
+            excluded.setdefault(name, []).append(lib)
+            with open(os.path.join(state, "excluded.json"), "w") as f:
+                json.dump(excluded, f)
+            start = index
+        else:
+            print(f"\nFAILED: more than {MAX_LAUNCHES} crashes", flush=True)
+            return 1
+        per_lib: dict[str, list[OpResult]] = {lib: [] for lib in args.lib_list}
+        skipped: dict[str, str] = {}
+        seen: dict[str, dict[str, OpResult]] = {}
+        for rec in records:
+            if "results" in rec:
+                seen[rec["name"]] = {lib: OpResult.from_json(d) for lib, d in rec["results"].items()}
+            elif "skip" in rec and rec["name"] not in crashes:
+                skipped[rec["name"]] = rec["skip"]
+        for name, libs in crashes.items():
+            for lib, (where, rand) in libs.items():
+                r = seen.setdefault(name, {}).setdefault(lib, OpResult(name, rand))
+                r.add("crash", where)
+        for name, res in seen.items():
+            for lib, r in res.items():
+                per_lib[lib].append(r)
+        report(per_lib, skipped, time.perf_counter() - start_time)
+        return 0
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    parse_args(sys.argv[1:])  # --help and bad flags answer once, before any worker starts
-    main_or_launch(worker, NPROC)
+    parsed = parse_args(sys.argv[1:])  # --help and bad flags answer once, before any worker starts
+    if under_launcher():
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        sys.exit(int(record(worker)() or 0))
+    sys.exit(parent(parsed))
