@@ -238,3 +238,23 @@ def test_as_strided_runs_on_whole_tensors(dist):
     for results in dist.run(4, _as_strided_replicated):
         for placements, ok in results:
             assert ok and placements == (Replicate(), Replicate())
+
+
+def _write_through_copied_view():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    x = sw.distribute_tensor(torch.zeros(4, 8), mesh, [Shard(1)])
+    x[:, 1:3] = 1.0  # slicing a sharded dim gathers it: the slice is a copy
+
+
+def _write_through_free_view():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    x = sw.distribute_tensor(torch.zeros(4, 8), mesh, [Shard(0)])
+    x[:, 1:3] = 1.0  # the sliced dim is whole: a real view, the write lands
+    return x.full_tensor()
+
+
+def test_writes_through_a_copied_view_fail_loudly(dist):
+    dist.run_expect_error(4, _write_through_copied_view, match=r"in-place write into the result of aten.slice.Tensor.*is a copy")
+    want = torch.zeros(4, 8)
+    want[:, 1:3] = 1.0
+    assert all(torch.equal(x, want) for x in dist.run(4, _write_through_free_view))

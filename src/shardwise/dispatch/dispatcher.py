@@ -115,6 +115,12 @@ def _key(values, dtensors: list, DTensor: type) -> tuple:
 
 
 def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> Any:
+    if plan.returns == "self" and getattr(args[0], "_copied_view", None):
+        raise RuntimeError(
+            f"{render_call(func, args, kwargs)}: in-place write into {args[0]._copied_view}, whose "
+            "input had to be redistributed, so it is a copy and the write would not reach the base "
+            "tensor. Redistribute the base so the view needs no communication, or assign the result."
+        )
     if plan.moves_inputs:
         blocks = [
             dt._local_tensor if target is None else redistribute_local(dt._local_tensor, dt._spec, target)
@@ -139,9 +145,19 @@ def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> A
     returns = plan.returns
     if returns == "wrap":
         return _repack(out, plan.output_specs)
+    if returns == "copied_view":
+        return _mark_copied(_repack(out, plan.output_specs), func)
     if returns == "self":
         return args[0]
     return kwargs["out"] if returns == "out" else None
+
+
+def _mark_copied(out: Any, func) -> Any:
+    """Tag the outputs of a view that had to communicate (see ``_run``)."""
+    for item in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(item, _DTensor):
+            item._copied_view = f"the result of {func} (a view)"
+    return out
 
 
 def _swap(values, blocks) -> list:

@@ -139,12 +139,19 @@ def _plan(schema: OpSchema, candidate: Candidate, outputs: list) -> OutputPlan:
     moves = any(s is not None for s in inputs)
     names = _mutated_inputs(schema.op)
     rebind = tuple(i for i in _mutated_spec_indices(schema.op, schema, names) if inputs[i] is not None) if names else ()
-    return OutputPlan("run", inputs, tuple(specs), candidate.rewrite, returns=_returns(schema), moves_inputs=moves,
+    return OutputPlan("run", inputs, tuple(specs), candidate.rewrite, returns=_returns(schema, moves), moves_inputs=moves,
                       rebind=rebind)
 
 
-def _returns(schema: OpSchema) -> str:
-    """What a call returns: new tensors, or the very argument it mutated (in place / out=)."""
+def _returns(schema: OpSchema, moves: bool) -> str:
+    """What a call returns: new tensors, or the very argument it mutated (in place / out=).
+
+    "copied_view": a view op that had to move its input returns a copy, not a view; the
+    dispatcher marks it so an in-place write through it fails loudly instead of being lost.
+    """
+    returns = schema.op._schema.returns
+    if moves and returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write:
+        return "copied_view"
     if any(name == "out" for name, _ in schema.kwargs):
         return "out"
     arguments = schema.op._schema.arguments
