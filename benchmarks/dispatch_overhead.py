@@ -48,8 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: all of {','.join(OPS)})")
     p.add_argument("--worlds", default="1,4", help="comma-separated world sizes (default 1,4)")
     p.add_argument("--size", type=int, default=16, help="global tensors are SIZE x SIZE (default 16)")
-    p.add_argument("--number", type=int, default=None, help="calls per timed repeat (default 400, --quick 60)")
-    p.add_argument("--repeat", type=int, default=None, help="timed repeats, median taken (default 9, --quick 5)")
+    p.add_argument("--number", type=int, default=None, help="calls per timed repeat (default 1000, --quick 60)")
+    p.add_argument("--repeat", type=int, default=None, help="timed repeats, median taken (default 11, --quick 5)")
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)  # worker -> parent results file
     args = p.parse_args(argv)
     args.op_list = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -58,9 +58,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown ops {bad}; choose from {','.join(OPS)}")
     args.world_list = [int(w) for w in args.worlds.split(",")]
     if args.number is None:
-        args.number = 60 if args.quick else 400
+        args.number = 60 if args.quick else 1000
     if args.repeat is None:
-        args.repeat = 5 if args.quick else 9
+        args.repeat = 5 if args.quick else 11
     if args.size % 4:
         p.error("--size must be a multiple of 4 (the view case splits a dim into 4)")
     return args

@@ -50,8 +50,9 @@ of that op, and reports the op as a crash for that library. Results accumulate i
 so nothing already run is lost.
 
 Random ops (bernoulli, normal, dropout, rand_like...) and ops whose values are unspecified
-(empty_like...) are reported separately: only shapes and dtypes are compared. Ops whose samples
-have no tensor input (factories) are skipped.
+(empty_like...) are reported separately: only shapes and dtypes are compared (so are the
+samples of attention ops that ask for dropout). Ops whose samples have no tensor input
+(factories) are skipped.
 """
 
 from __future__ import annotations
@@ -145,6 +146,16 @@ def is_random(opinfo) -> bool:
     name = opinfo.name
     return (getattr(opinfo, "has_nondeterministic_output", False) or name in RANDOM_NAMES
             or any(w in name for w in RANDOM_WORDS))
+
+
+def sample_is_random(name: str, sample) -> bool:
+    """A sample of a deterministic op that asks for randomness (attention with dropout)."""
+    if any("dropout" in k and isinstance(v, (int, float)) and v > 0 for k, v in sample.kwargs.items()):
+        return True
+    if name == "nn.functional.multi_head_attention_forward":  # dropout_p is positional, 10th
+        p = sample.args[9] if len(sample.args) > 9 else 0.0
+        return isinstance(p, (int, float)) and p > 0 and sample.kwargs.get("training", True)
+    return False
 
 
 def select_ops(op_db: list, args: argparse.Namespace) -> list:
@@ -418,7 +429,8 @@ class Harness:
                         continue
                     for lib in libs:
                         self.mark(index, sample_no, mode, lib, name, rand)
-                        case = self.run_case(opinfo, leaves, spec, expected, lib, mode, rand)
+                        case = self.run_case(opinfo, leaves, spec, expected, lib, mode,
+                                             rand or sample_is_random(name, sample))
                         self.settle(f"{index}/{sample_no}/{mode}/{lib}", case, self.slots[(lib, mode)])
                         mine[(lib, mode)] = case
             everyone: list = [None] * self.world

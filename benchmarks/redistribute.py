@@ -33,7 +33,6 @@ import argparse
 import itertools
 import logging
 import math
-import os
 import statistics
 import sys
 import time

@@ -1,6 +1,5 @@
 """The dispatcher: pointwise ops, Partial safety, errors, cache, user-registered strategies."""
 
-import pytest
 import torch
 import torch.distributed as dist
 

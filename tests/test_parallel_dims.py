@@ -1,7 +1,6 @@
 """ParallelDims: validation (pure) and the meshes it builds (on gloo)."""
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from shardwise.parallel import ParallelDims

@@ -16,10 +16,9 @@ Named axes may be flattened: ``mesh["dp_replicate", "dp_shard"].flatten("dp")`` 
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from shardwise.api import default_mesh, distribute_tensor

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shardwise.dispatch import registry
-from shardwise.dispatch.propagation import OutputPlan, UnsupportedOp, flatten_outputs, propagate
+from shardwise.dispatch.propagation import OutputPlan, UnsupportedOp, propagate
 from shardwise.dispatch.strategy import OpSchema
 from shardwise.placement import Replicate
 from shardwise.redistribute.execute import redistribute_local

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from shardwise.dispatch import registry
-from shardwise.dispatch.strategy import Candidate, OpSchema, choose, expand, replicate_all
+from shardwise.dispatch.strategy import Candidate, OpSchema, choose, count_specs, expand, replicate_all
 from shardwise.spec import DTensorSpec, TensorMeta
 
 __all__ = ["OutputPlan", "propagate", "UnsupportedOp", "fallback_enabled", "allow_replicate_fallback"]
@@ -211,19 +211,11 @@ def _mutated_spec_indices(op: Any, schema: OpSchema, names: list[str]) -> list[i
     kwargs = dict(schema.kwargs)
     for pos, argument in enumerate(op._schema.arguments):
         value = schema.args[pos] if pos < len(schema.args) and not argument.kwarg_only else kwargs.get(argument.name)
-        count = _count_specs(value)
+        count = count_specs(value)
         if argument.name in names:
             positions += range(index, index + count)
         index += count
     return positions
-
-
-def _count_specs(value: Any) -> int:
-    if isinstance(value, DTensorSpec):
-        return 1
-    if isinstance(value, (list, tuple)):
-        return sum(isinstance(v, DTensorSpec) for v in value)
-    return 0
 
 
 # ---------------------------------------------------------------------- metadata

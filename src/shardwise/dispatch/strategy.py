@@ -66,6 +66,15 @@ class Candidate:
     rewrite: Callable | None = field(default=None, compare=False)
 
 
+def count_specs(value: Any) -> int:
+    """DTensors an argument stands for: 1 for a spec, the specs in a list, else 0."""
+    if isinstance(value, DTensorSpec):
+        return 1
+    if isinstance(value, (list, tuple)):
+        return sum(isinstance(v, DTensorSpec) for v in value)
+    return 0
+
+
 def expand(
     axis_candidates: Sequence[AxisCandidate], num_outputs: int, mesh_ndim: int
 ) -> list[Candidate]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.placement import Partial, Placement, Replicate, Shard
+from shardwise.placement import Placement, Replicate, Shard
 from shardwise.redistribute.plan import Plan, Step, plan_redistribute
 from shardwise.spec import DTensorSpec, local_shape_and_offset
 

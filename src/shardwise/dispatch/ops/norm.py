@@ -20,11 +20,11 @@ reach them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.registry import register_strategy
-from shardwise.dispatch.strategy import AxisCandidate, OpSchema
+from shardwise.dispatch.strategy import AxisCandidate, OpSchema, count_specs
 from shardwise.placement import Partial, Shard
 from shardwise.spec import DTensorSpec
 
@@ -40,18 +40,10 @@ def spec_arguments(schema: OpSchema) -> list[str]:
     arguments = schema.op._schema.arguments
     names: list[str] = []
     for index, value in enumerate(schema.args):
-        names += [arguments[index].name] * _count_specs(value)
+        names += [arguments[index].name] * count_specs(value)
     for name, value in schema.kwargs:
-        names += [name] * _count_specs(value)
+        names += [name] * count_specs(value)
     return names
-
-
-def _count_specs(value: Any) -> int:
-    if isinstance(value, DTensorSpec):
-        return 1
-    if isinstance(value, (list, tuple)):
-        return sum(isinstance(v, DTensorSpec) for v in value)
-    return 0
 
 
 def linear_partial_ops(spec: DTensorSpec) -> list[str]:
