@@ -88,11 +88,12 @@ def clear_caches() -> None:
     try:  # private torch caches; missing ones (another torch version) only mean a small leak
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._collective_utils import MeshTopoInfo
-        from torch.distributed.tensor._redistribute import _gen_transform_infos
+        from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         _clear_sharding_prop_cache()
         _gen_transform_infos.cache_clear()
+        clear_redistribute_planner_cache()
         MeshTopoInfo.build_from_mesh.cache_clear()
         type(DTensor._op_dispatcher.sharding_propagator)._propagate_tensor_meta_cached.cache_clear()
     except Exception:  # noqa: BLE001
