@@ -101,13 +101,13 @@ RANDOM_NAMES = {"resize_", "resize_as_"}  # new elements are uninitialized
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"only {len(QUICK_OPS)} common ops, 4 samples each (< 2 min)")
+    p.add_argument("--quick", action="store_true", help=f"only {len(QUICK_OPS)} common ops (all their OpInfo variants), 4 samples each (< 2 min)")
     p.add_argument("--ops", default=None, help="comma-separated OpInfo names (a base name takes every variant)")
     p.add_argument("--limit", type=int, default=None, help="only the first N ops")
     p.add_argument("--samples", type=int, default=None, help="samples per op (default 8, --quick 4)")
     p.add_argument("--libs", default=",".join(LIBS), help="comma-separated libraries (default shardwise,torch)")
-    p.add_argument("--rtol", type=float, default=1e-4)
-    p.add_argument("--atol", type=float, default=1e-4)
+    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
+    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4)")
     p.add_argument("--op-timeout", type=float, default=20.0,
                    help="seconds a rank waits in a collective of an op before it counts as desynced")
     p.add_argument("--release-after", type=float, default=2.0,
