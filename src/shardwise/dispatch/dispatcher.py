@@ -55,12 +55,20 @@ class implicit_replication:
     """Context manager: plain tensors mixed with DTensors count as replicated on the mesh.
 
     Without it, mixing is an error (a plain tensor has no layout; assuming one silently is how
-    results go wrong). 0-dim tensors are scalars and are always allowed.
+    results go wrong). 0-dim tensors are scalars and are always allowed. ``ops`` limits it to
+    those ops (``loss_parallel`` uses this for plain labels); the setting is part of the
+    dispatch cache key, so a decision made inside never leaks outside.
     """
+
+    def __init__(self, ops: frozenset | None = None) -> None:
+        self._ops = ops
 
     def __enter__(self) -> None:
         self._before = _IMPLICIT[0]
-        _IMPLICIT[0] = True
+        if self._ops is None:
+            _IMPLICIT[0] = True
+        elif self._before is not True:
+            _IMPLICIT[0] = self._ops | (self._before or frozenset())
 
     def __exit__(self, *exc) -> None:
         _IMPLICIT[0] = self._before
@@ -204,7 +212,8 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
         )
     mesh = meshes[0]
     plain = [(w, t) for w, t in _plain_tensors(args, kwargs, DTensor) if not registry.is_plain_index(func, w, t)]
-    if plain and not _IMPLICIT[0]:
+    implicit = _IMPLICIT[0]
+    if plain and not (implicit is True or (implicit and func in implicit)):
         where, tensor = plain[0]
         raise ValueError(
             f"{describe()}: argument {where} is a plain tensor {_plain(tensor)} mixed with DTensors. "

@@ -82,6 +82,9 @@ def _set_fallback(enabled: bool) -> None:
 
 def propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, describe: Callable[[], str]) -> OutputPlan:
     """Decide the layouts for one call (see the module docstring for the priority order)."""
+    special = registry.layout_handler(op, schema)
+    if special is not None:
+        return OutputPlan("custom", handler=special)
     registration = registry.lookup(op)
     if registration is not None and registration.kind == "custom":
         return OutputPlan("custom", handler=registration.fn)

@@ -1,6 +1,8 @@
 """Where ops get their sharding support, by op overload, in priority order.
 
-1. custom handler: takes the whole call (random ops, loss_parallel); no propagation.
+0. layout handler: takes the whole call when the input layouts match its predicate (softmax
+   and nll_loss over a sharded class dim); other layouts go on down this list.
+1. custom handler: takes the whole call (random ops, losses); no propagation.
 2. strategy: candidate layouts, scored by redistribute cost (``strategy.choose``).
 3. rule: one layout computed directly from the inputs.
 4. decomposition: torch's decomposition of the op into ops that have support.
@@ -20,6 +22,7 @@ import torch
 __all__ = [
     "register_custom_handler", "register_strategy", "register_rule", "register_sharding",
     "lookup", "Registration", "allow_plain_indices", "is_plain_index",
+    "register_layout_handler", "layout_handler",
 ]
 
 
@@ -120,6 +123,35 @@ def register_sharding(op: Any, *, replace: bool = True) -> Callable:
         return fn
 
     return wrap
+
+
+_LAYOUT_HANDLERS: dict[Any, list[tuple[Callable, Callable]]] = {}
+
+
+def register_layout_handler(*ops: Any, applies: Callable[[Any], bool]) -> Callable:
+    """Decorator: ``fn(op, args, kwargs)`` handles calls of ``ops`` whose ``OpSchema`` satisfies
+    ``applies``, ahead of the op's regular registration (which keeps every other layout).
+
+    For layouts that need communication inside the op, e.g. softmax over a sharded dim: two
+    small all-reduces instead of gathering the whole tensor. The predicate sees only layouts,
+    so its answer is cached with the rest of the propagation.
+    """
+
+    def wrap(fn: Callable) -> Callable:
+        for op in _overloads(ops):
+            _LAYOUT_HANDLERS.setdefault(op, []).append((applies, fn))
+        _invalidate_caches()
+        return fn
+
+    return wrap
+
+
+def layout_handler(op: Any, schema: Any) -> Callable | None:
+    """The layout handler of ``op`` whose predicate accepts ``schema``, if any."""
+    for applies, fn in _LAYOUT_HANDLERS.get(op, ()):
+        if applies(schema):
+            return fn
+    return None
 
 
 def lookup(op: Any) -> Registration | None:

@@ -1,5 +1,12 @@
-"""Parallelism as configuration: parallel degrees, module plans and styles."""
+"""Parallelism as configuration: parallel degrees, module plans and tensor-parallel styles."""
 
+from shardwise.parallel.loss import loss_parallel
 from shardwise.parallel.parallel_dims import ParallelDims
+from shardwise.parallel.parallelize import parallelize_module
+from shardwise.parallel.prepare import PrepareModuleInput, PrepareModuleOutput
+from shardwise.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-__all__ = ["ParallelDims"]
+__all__ = [
+    "ParallelDims", "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
+    "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "loss_parallel",
+]

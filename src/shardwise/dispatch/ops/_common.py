@@ -30,6 +30,14 @@ def aten_ops_tagged(tag: torch.Tag, *, without: tuple[torch.Tag, ...] = ()) -> I
             yield op
 
 
+def bind_arguments(op: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """Every argument of a call by schema position, defaults filled in (for custom handlers)."""
+    values = list(args)
+    for argument in op._schema.arguments[len(args):]:
+        values.append(kwargs[argument.name] if argument.name in kwargs else argument.default_value)
+    return values
+
+
 def num_tensor_outputs(op: Any) -> int:
     """Tensor results in an op's schema (lists count as one)."""
     return sum("Tensor" in str(r.type) for r in op._schema.returns)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from shardwise.dispatch.ops._common import R, aten, broadcast_dim, num_tensor_outputs
+from shardwise.dispatch.ops._common import R, aten, bind_arguments, broadcast_dim, num_tensor_outputs
 from shardwise.dispatch.ops.norm import linear_partial_ops, spec_arguments
 from shardwise.dispatch.registry import register_custom_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, choose, expand
@@ -67,14 +67,6 @@ def _plan(op: Any, specs: tuple[DTensorSpec, ...], reduction: int,
     """The cheapest layout among the per-axis ``axis_candidates`` of a loss op."""
     make = lambda: expand(axis_candidates(specs, reduction), num_tensor_outputs(op), specs[0].mesh.ndim)  # noqa: E731
     return cached_choice((op, specs, reduction), OpSchema(op, specs, (), specs), make)
-
-
-def _bind(op: Any, args: tuple, kwargs: dict) -> list[Any]:
-    """Every argument of the call by schema position (defaults filled in)."""
-    values = list(args)
-    for argument in op._schema.arguments[len(args):]:
-        values.append(kwargs[argument.name] if argument.name in kwargs else argument.default_value)
-    return values
 
 
 def _dtensors(name: str, values: list[Any]) -> list[Any]:
@@ -132,7 +124,7 @@ def _nll_axis_candidates(specs: tuple[DTensorSpec, ...], reduction: int) -> list
 @register_custom_handler(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 def nll_loss_forward(op: Any, args: tuple, kwargs: dict) -> tuple:
     """nll_loss on DTensors: local sums, global total weight for the mean (module docstring)."""
-    inp, target, weight, reduction, ignore_index = _bind(op, args, kwargs)
+    inp, target, weight, reduction, ignore_index = bind_arguments(op, args, kwargs)
     dtensors = _dtensors("nll_loss", [inp, target, weight])
     specs = tuple(t._spec for t in dtensors)
     plan = _plan(op, specs, reduction, _nll_axis_candidates)
@@ -197,7 +189,7 @@ def _mse_axis_candidates(specs: tuple[DTensorSpec, ...], reduction: int) -> list
 @register_custom_handler(aten.mse_loss.default)
 def mse_loss_forward(op: Any, args: tuple, kwargs: dict) -> Any:
     """Local sum divided by the global element count for the mean; else local as is."""
-    inp, target, reduction = _bind(op, args, kwargs)
+    inp, target, reduction = bind_arguments(op, args, kwargs)
     dtensors = _dtensors("mse_loss", [inp, target])
     specs = tuple(t._spec for t in dtensors)
     plan = _plan(op, specs, reduction, _mse_axis_candidates)
@@ -226,7 +218,7 @@ def _mse_backward_axis_candidates(specs: tuple[DTensorSpec, ...], reduction: int
 @register_custom_handler(aten.mse_loss_backward.default)
 def mse_loss_backward(op: Any, args: tuple, kwargs: dict) -> Any:
     """Local gradient; the mean's 1/numel uses the global element count."""
-    grad, inp, target, reduction = _bind(op, args, kwargs)
+    grad, inp, target, reduction = bind_arguments(op, args, kwargs)
     dtensors = _dtensors("mse_loss_backward", [grad, inp, target])
     specs = tuple(t._spec for t in dtensors)
     plan = _plan(op, specs, reduction, _mse_backward_axis_candidates)

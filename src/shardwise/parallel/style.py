@@ -1,0 +1,262 @@
+"""Tensor-parallel styles: how one module's parameters and activations are laid out on a mesh axis.
+
+A style is configuration, not model code (seed 7.2): it turns a module's parameters into
+DTensors and installs forward hooks that give the module its inputs in the layout its math
+needs and hand its outputs on in the layout the next module expects. The classic Megatron
+pairing needs no communication between the two matmuls of an MLP or an attention block:
+
+* ``ColwiseParallel``: ``y = x @ W.T`` with W's output features sharded; x replicated, y
+  sharded on its last dim (``Shard(-1)``): each rank computes its slice of the features.
+* ``RowwiseParallel``: W's input features sharded; x sharded on its last dim, each rank's
+  product is a partial sum of y (``Partial``), reduced to ``output_layouts`` (all-reduce for
+  ``Replicate``, reduce-scatter for ``Shard(1)`` with sequence parallelism).
+* ``SequenceParallel``: parameters replicated, activations sharded on the sequence dim; for
+  modules whose math is independent per token (norms, dropout).
+
+Subclass ``ParallelStyle`` to add a style: ``check`` validates (no communication) and
+``apply`` distributes; ``parallelize_module`` calls ``check`` on every matched module first, so
+a bad plan fails on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from shardwise.api import distribute_tensor
+from shardwise.dtensor import DTensor
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import Placement, Replicate, Shard
+
+__all__ = [
+    "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "to_layout", "from_layout", "describe_module",
+]
+
+
+def describe_module(module: nn.Module) -> str:
+    """``Linear(in_features=8, out_features=16)`` style short description for messages."""
+    return f"{type(module).__name__}({module.extra_repr()})"
+
+
+def to_layout(value: Any, mesh: DeviceMesh, given: Placement | None, desired: Placement | None) -> Any:
+    """An input moved to ``desired``: a plain tensor is first taken to be laid out as ``given``.
+
+    ``None`` (for ``given`` or ``desired``) leaves the value as it is: non-tensor arguments and
+    inputs a style does not manage.
+    """
+    if given is None or not isinstance(value, torch.Tensor):
+        return value
+    if not isinstance(value, DTensor):
+        value = DTensor.from_local(value, mesh, [given])
+    if desired is not None and value._spec.placements != (desired,):
+        value = value.redistribute(mesh, [desired])
+    return value
+
+
+def from_layout(value: Any, mesh: DeviceMesh, desired: Placement | None, use_local_output: bool) -> Any:
+    """An output moved to ``desired`` and, with ``use_local_output``, unwrapped to its block."""
+    if not isinstance(value, DTensor):
+        return value
+    if desired is not None and value._spec.placements != (desired,):
+        value = value.redistribute(mesh, [desired])
+    return value.to_local() if use_local_output else value
+
+
+def _one(layout: Placement | Sequence[Placement] | None, what: str) -> Placement | None:
+    """A single placement (styles act on a 1-D mesh); a 1-element sequence is accepted."""
+    if layout is None or isinstance(layout, Placement):
+        return layout
+    layout = tuple(layout)
+    if len(layout) != 1 or not isinstance(layout[0], Placement):
+        raise ValueError(f"{what} must be one placement (tensor parallel styles act on a 1-D mesh), got {layout}")
+    return layout[0]
+
+
+class ParallelStyle:
+    """Base class of module parallelization styles; see the module docstring."""
+
+    def check(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        """Raise ``ValueError`` if this style cannot apply to ``module`` on ``mesh`` (no collectives)."""
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"{type(self).__name__} needs a 1-D mesh (the tensor-parallel axis, e.g. mesh['tp']), got {mesh}"
+            )
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        """Distribute ``module``'s parameters and install its hooks; returns the module."""
+        raise NotImplementedError
+
+    # torch.distributed.tensor.parallel spells the entry point ``_apply``.
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        self.check(module, mesh)
+        return self.apply(module, mesh)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+def _shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement) -> None:
+    param = getattr(module, name, None)
+    if param is None or isinstance(param, DTensor):
+        return
+    dt = distribute_tensor(param.data, mesh, [placement])
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def _check_divisible(module: nn.Module, mesh: DeviceMesh, style: str, name: str, dim: int, what: str) -> None:
+    param = getattr(module, name)
+    if isinstance(param, DTensor):
+        raise ValueError(f"{style}: {type(module).__name__}.{name} is already a DTensor "
+                         f"({param._spec.render()}); apply one style per module")
+    size, n = param.shape[dim], mesh.size()
+    if size % n:
+        raise ValueError(
+            f"{style}: {type(module).__name__}.{name} has {what} {size}, not divisible by the "
+            f"{n} ranks of {mesh}; shard a dim divisible by the mesh size (pad it) or leave the module replicated"
+        )
+
+
+class _LinearPair(ParallelStyle):
+    """What ColwiseParallel and RowwiseParallel share: Linear/Embedding only, hooks, layouts."""
+
+    _default_input: Placement
+    _default_output: Placement
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | Sequence[Placement] | None = None,
+        output_layouts: Placement | Sequence[Placement] | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        self.input_layouts = _one(input_layouts, "input_layouts") or self._default_input
+        self.output_layouts = _one(output_layouts, "output_layouts") or self._default_output
+        self.use_local_output = use_local_output
+
+    def check(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        super().check(module, mesh)
+        name = type(self).__name__
+        if isinstance(module, nn.Linear):
+            self._check_linear(module, mesh)
+        elif isinstance(module, nn.Embedding):
+            self._check_embedding(module, mesh)
+        else:
+            raise ValueError(f"{name} cannot shard {describe_module(module)}: it supports nn.Linear and nn.Embedding")
+
+    def _desired_input(self, module: nn.Module) -> Placement:
+        raise NotImplementedError
+
+    def _install_hooks(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        given, desired = self.input_layouts, self._desired_input(module)
+        output, local = self.output_layouts, self.use_local_output
+
+        def before(mod, inputs):
+            return (to_layout(inputs[0], mesh, given, desired), *inputs[1:])
+
+        def after(mod, inputs, out):
+            return from_layout(out, mesh, output, local)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+
+
+class ColwiseParallel(_LinearPair):
+    """Shard a Linear's output features (weight ``Shard(0)``) or an Embedding's embedding dim.
+
+    Input: ``input_layouts`` (default ``Replicate()``), moved to replicated. Output: sharded on
+    the last dim, moved to ``output_layouts`` (default ``Shard(-1)``); a local tensor unless
+    ``use_local_output=False``.
+    """
+
+    _default_input = Replicate()
+    _default_output = Shard(-1)
+
+    def _check_linear(self, module: nn.Linear, mesh: DeviceMesh) -> None:
+        _check_divisible(module, mesh, "ColwiseParallel", "weight", 0, "out_features")
+
+    def _check_embedding(self, module: nn.Embedding, mesh: DeviceMesh) -> None:
+        _check_divisible(module, mesh, "ColwiseParallel", "weight", 1, "embedding_dim")
+
+    def _desired_input(self, module: nn.Module) -> Placement:
+        return Replicate()
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Linear):
+            _shard_parameter(module, "weight", mesh, Shard(0))
+            _shard_parameter(module, "bias", mesh, Shard(0))
+        else:
+            _shard_parameter(module, "weight", mesh, Shard(1))
+        self._install_hooks(module, mesh)
+        return module
+
+
+class RowwiseParallel(_LinearPair):
+    """Shard a Linear's input features (weight ``Shard(1)``, bias replicated) or an Embedding's rows.
+
+    Input: ``input_layouts`` (default ``Shard(-1)``; ``Replicate()`` token ids for an Embedding),
+    moved to what the math needs. Output: a partial sum, reduced to ``output_layouts`` (default
+    ``Replicate()``: one all-reduce; ``Shard(1)``: one reduce-scatter, for sequence parallelism).
+    """
+
+    _default_input = Shard(-1)
+    _default_output = Replicate()
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
+        self._explicit_input = input_layouts is not None
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+
+    def _check_linear(self, module: nn.Linear, mesh: DeviceMesh) -> None:
+        _check_divisible(module, mesh, "RowwiseParallel", "weight", 1, "in_features")
+
+    def _check_embedding(self, module: nn.Embedding, mesh: DeviceMesh) -> None:
+        _check_divisible(module, mesh, "RowwiseParallel", "weight", 0, "num_embeddings")
+
+    def _desired_input(self, module: nn.Module) -> Placement:
+        return Shard(-1) if isinstance(module, nn.Linear) else Replicate()
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Linear):
+            _shard_parameter(module, "weight", mesh, Shard(1))
+            _shard_parameter(module, "bias", mesh, Replicate())
+        else:
+            _shard_parameter(module, "weight", mesh, Shard(0))
+            if not self._explicit_input:  # token ids are whole on every rank
+                self.input_layouts = Replicate()
+        self._install_hooks(module, mesh)
+        return module
+
+
+class SequenceParallel(ParallelStyle):
+    """Replicate a per-token module's parameters and shard its activations on ``sequence_dim``.
+
+    For norms and dropout between the tensor-parallel matmuls: their math is independent per
+    token, so each rank normalizes its own tokens and the activations between blocks take
+    1/tp of the memory. A plain input is taken to be this rank's sequence shard. The output
+    stays a DTensor unless ``use_local_output``. Parameter gradients come out ``Partial(sum)``
+    (each rank saw some tokens) and are reduced when read.
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        self.sequence_dim = sequence_dim
+        self.use_local_output = use_local_output
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        for submodule in module.modules():
+            for name, param in list(submodule.named_parameters(recurse=False)):
+                if not isinstance(param, DTensor):
+                    _shard_parameter(submodule, name, mesh, Replicate())
+        shard, local = Shard(self.sequence_dim), self.use_local_output
+
+        def before(mod, inputs):
+            return tuple(to_layout(x, mesh, shard, shard) for x in inputs)
+
+        def after(mod, inputs, out):
+            return from_layout(out, mesh, shard, local)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+        return module
