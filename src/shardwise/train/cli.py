@@ -1,0 +1,119 @@
+"""The command line: ``python -m shardwise.train`` / ``shardwise-train``.
+
+    python -m shardwise.train --config debug --steps 50                  # one process
+    python -m shardwise.train --nproc 4 --tp 2 --dp-shard 2 --plot loss.png
+    torchrun --nproc-per-node 8 -m shardwise.train --config llama3_8b --tp 8 --mixed-precision
+
+Without a launcher the command starts ``--nproc`` local processes itself (gloo on CPU; nccl
+when --device resolves to cuda); under torchrun it joins the launcher's job. The job is
+validated in the launching process before any worker starts, and again in every worker: a
+bad job prints one ``error:`` line and exits with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from shardwise.launch import main_or_launch, under_launcher
+from shardwise.train.config import CONFIGS, ConfigError, JobConfig
+
+__all__ = ["build_parser", "job_from_argv", "main", "EXIT_BAD_JOB"]
+
+EXIT_BAD_JOB = 2
+PROG = "shardwise.train"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = JobConfig()
+    p = argparse.ArgumentParser(prog=PROG, description="Train a Llama-style model on the Python standard "
+                                "library's source with any mix of FSDP/HSDP, DDP, TP, SP and loss parallelism.")
+    p.add_argument("--config", default=d.config, help=f"model shapes: {', '.join(CONFIGS)} (default {d.config})")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes; default 1, or the world size under torchrun")
+    p.add_argument("--dp-replicate", type=int, default=d.dp_replicate, help="data-parallel replicas (DDP/HSDP)")
+    p.add_argument("--dp-shard", type=int, default=d.dp_shard, help="FSDP shards; -1 infers from the others")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
+    p.add_argument("--sequence-parallel", action="store_true", help="shard norms/residuals along the sequence (tp)")
+    p.add_argument("--loss-parallel", action="store_true", help="loss on vocabulary-sharded logits (tp)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--global-batch", type=int, default=d.global_batch, help="sequences per step, all dp ranks")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
+    p.add_argument("--seed", type=int, default=d.seed, help="weights and data order")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
+    p.add_argument("--mixed-precision", action="store_true", help="bf16 params/activations, fp32 gradient reduce")
+    p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
+    p.add_argument("--plot", metavar="FILE", default=None, help="write the loss curve to this PNG")
+    p.add_argument("--metrics-file", metavar="FILE", default=None, help="write per-step losses etc. as JSON")
+    p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (not available yet)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    return p
+
+
+def _world_size_from_env() -> int | None:
+    return int(os.environ["WORLD_SIZE"]) if under_launcher() and "WORLD_SIZE" in os.environ else None
+
+
+def job_from_argv(argv: list[str]) -> JobConfig:
+    """Parse and validate; raise ``ConfigError`` for a bad job (argparse exits on bad syntax)."""
+    ns = build_parser().parse_args(argv)
+    world = _world_size_from_env()
+    if world is not None and ns.nproc is not None and ns.nproc != world:
+        raise ConfigError(f"--nproc {ns.nproc} differs from the launcher's world size {world}")
+    nproc = ns.nproc if ns.nproc is not None else (world or 1)
+    fields = {k: v for k, v in vars(ns).items() if k != "nproc"}
+    job = JobConfig(nproc=nproc, **fields).validate()
+    _check_devices(job)
+    return job
+
+
+def _check_devices(job: JobConfig) -> None:
+    """A CUDA job started here needs a GPU per local process."""
+    if job.device == "cpu":
+        return
+    import torch
+
+    if job.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible")
+    if torch.cuda.is_available() and not under_launcher() and job.nproc > torch.cuda.device_count():
+        raise ConfigError(f"--nproc {job.nproc} exceeds the {torch.cuda.device_count()} visible CUDA devices "
+                          f"(use --device cpu, or torchrun across hosts)")
+
+
+def _fail(message: str) -> int:
+    """Print a bad job once (rank 0 under a launcher) and return its exit status."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_BAD_JOB
+
+
+def worker() -> int:
+    """The per-rank entry point (under a launcher, or the only process)."""
+    try:
+        job = job_from_argv(sys.argv[1:])
+    except ConfigError as err:
+        return _fail(str(err))
+    from shardwise.train.trainer import run_job
+
+    return run_job(job)
+
+
+def main() -> None:
+    """Validate here, then train in this process (one CPU/GPU rank) or launch the workers."""
+    if under_launcher():
+        main_or_launch(worker, 1, quiet_codes=(EXIT_BAD_JOB,), module=PROG)
+        return
+    try:
+        job = job_from_argv(sys.argv[1:])
+    except ConfigError as err:
+        sys.exit(_fail(str(err)))
+    if job.nproc == 1:
+        from shardwise.train.trainer import run_job
+
+        sys.exit(run_job(job))
+    main_or_launch(worker, job.nproc, quiet_codes=(EXIT_BAD_JOB,), module=PROG)

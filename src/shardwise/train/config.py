@@ -1,0 +1,255 @@
+"""Configuration of a training job: model shapes (named configs) and the job itself.
+
+Two frozen values, validated on construction:
+
+* ``ModelArgs``: the shapes of a Llama-style decoder. ``CONFIGS`` names the ones the CLI knows,
+  from "tiny" (the parity tests) and "debug" (seconds on a laptop CPU) up to "llama3_8b".
+* ``JobConfig``: everything the CLI sets (parallel degrees, batch, schedule, logging). Its
+  ``validate()`` checks the job against its model *without building anything*, so the launcher
+  process can refuse a bad job before any worker starts, and every worker checks again.
+
+Validation errors are ``ConfigError`` (a ``ValueError``) with a message that names the flag and
+prints the offending values; the CLI turns them into one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, replace
+
+from shardwise.parallel.parallel_dims import ParallelDims
+from shardwise.train.checkpointing import checkpoint_support_error
+from shardwise.train.data import corpus_files
+
+__all__ = ["ConfigError", "ModelArgs", "CONFIGS", "get_model_args", "JobConfig"]
+
+
+class ConfigError(ValueError):
+    """A job the trainer refuses to start; the message is meant for the command line."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    """Shapes of a Llama-style decoder (torchtitan naming).
+
+    Args:
+        dim: model (residual stream) width.
+        n_layers: transformer blocks.
+        n_heads: query heads; ``dim`` must be divisible by it (head_dim = dim // n_heads).
+        n_kv_heads: key/value heads (grouped-query attention); must divide ``n_heads``.
+        vocab_size: embedding rows and output columns (256 for the byte tokenizer).
+        multiple_of: the SwiGLU hidden width is rounded up to a multiple of this.
+        ffn_dim_multiplier: optional scale of the SwiGLU hidden width (Llama 3 uses 1.3).
+        norm_eps: RMSNorm epsilon.
+        rope_theta: rotary embedding base.
+        max_seq_len: longest sequence the rotary table covers.
+
+    Example:
+        >>> ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4).hidden_dim
+        192
+    """
+
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 256
+    multiple_of: int = 64
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+
+    def __post_init__(self) -> None:
+        positive = {k: getattr(self, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                                                  "multiple_of", "max_seq_len")}
+        bad = {k: v for k, v in positive.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ConfigError(f"model shapes must be positive integers, got {bad}")
+        if self.dim % self.n_heads:
+            raise ConfigError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError(f"head_dim {self.dim // self.n_heads} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU width: 2/3 of 4*dim (same parameter count as a 4x MLP), scaled, rounded up."""
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def num_params(self) -> int:
+        """Parameter count, computed from the shapes (no model is built)."""
+        kv = self.n_kv_heads * self.head_dim
+        attention = 2 * self.dim * self.dim + 2 * self.dim * kv
+        feed_forward = 3 * self.dim * self.hidden_dim
+        block = attention + feed_forward + 2 * self.dim
+        return self.n_layers * block + 2 * self.vocab_size * self.dim + self.dim
+
+
+CONFIGS: dict[str, ModelArgs] = {
+    # Parity tests: smallest shapes that still divide by tp=4 everywhere (heads, kv heads, hidden).
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, multiple_of=32),
+    # A few seconds per hundred steps on a laptop CPU: about 3.3M parameters.
+    "debug": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=256),
+    # A model that learns visibly in minutes on a GPU: about 40M parameters.
+    "small": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, multiple_of=256),
+    # Llama 3 8B shapes (GPUs only); the byte tokenizer uses the first 256 embedding rows.
+    "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                           multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
+}
+
+
+def get_model_args(name: str) -> ModelArgs:
+    """The named model shapes, or a ``ConfigError`` listing the known names."""
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ConfigError(f"unknown config {name!r}; known configs: {', '.join(CONFIGS)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class JobConfig:
+    """One training job, as the command line describes it.
+
+    Args:
+        config: name of the model shapes in ``CONFIGS``.
+        nproc: processes (ranks) in the job.
+        dp_replicate / dp_shard / tp: parallel degrees (dp_shard=-1 takes what is left).
+        sequence_parallel: shard norms and residuals along the sequence over the tp axis.
+        loss_parallel: compute the loss on vocabulary-sharded logits (no logits all-gather).
+        steps: optimizer steps to run.
+        global_batch: sequences per step over all data-parallel ranks.
+        seq_len: tokens per sequence.
+        lr / warmup: peak learning rate and its linear warmup in steps.
+        seed: seeds the weights and the data order (same for every layout).
+        activation_checkpointing: recompute each block's activations in backward.
+        mixed_precision: bf16 parameters and activations, fp32 gradient reduction.
+        device: "cpu", "cuda", or "auto" (cuda when available).
+        log_every: steps between progress lines.
+        plot: write the loss curve to this PNG file.
+        metrics_file: write per-step losses and the summary to this JSON file.
+        checkpoint_dir / checkpoint_every / resume: checkpointing (see ``checkpointing.py``).
+    """
+
+    config: str = "debug"
+    nproc: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    steps: int = 20
+    global_batch: int = 8
+    seq_len: int = 128
+    lr: float = 1e-3
+    warmup: int = 2
+    seed: int = 0
+    activation_checkpointing: bool = False
+    mixed_precision: bool = False
+    device: str = "auto"
+    log_every: int = 1
+    plot: str | None = None
+    metrics_file: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+
+    # ------------------------------------------------------------------ derived values
+    def model_args(self) -> ModelArgs:
+        """The named shapes with the rotary table sized for this job's sequences."""
+        args = get_model_args(self.config)
+        return replace(args, max_seq_len=max(args.max_seq_len, self.seq_len))
+
+    def parallel_dims(self) -> ParallelDims:
+        """The degrees as a validated ``ParallelDims`` (dp_shard=-1 resolved)."""
+        try:
+            return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
+                                world_size=self.nproc)
+        except ValueError as err:
+            raise ConfigError(f"parallel degrees do not fit --nproc {self.nproc}: {err}") from None
+
+    def layout(self) -> str:
+        """A short name of the layout, e.g. ``dp_shard=2 tp=2 +sp +loss_parallel``."""
+        dims = self.parallel_dims()
+        parts = [f"{n}={getattr(dims, n)}" for n in ("dp_replicate", "dp_shard", "tp") if getattr(dims, n) > 1]
+        flags = [f for f, on in (("+sp", self.sequence_parallel), ("+loss_parallel", self.loss_parallel),
+                                 ("+ac", self.activation_checkpointing), ("+bf16", self.mixed_precision)) if on]
+        return " ".join(parts or ["single"]) + "".join(" " + f for f in flags)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "JobConfig":
+        """Check the job without building anything; raise ``ConfigError`` naming the problem."""
+        self._check_numbers()
+        model = self.model_args()
+        dims = self.parallel_dims()
+        self._check_batch(dims)
+        self._check_tp(model, dims)
+        self._check_checkpointing()
+        self._check_corpus()
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        return self
+
+    def _check_numbers(self) -> None:
+        at_least_one = {"--nproc": self.nproc, "--steps": self.steps, "--global-batch": self.global_batch,
+                        "--log-every": self.log_every, "--tp": self.tp, "--dp-replicate": self.dp_replicate}
+        bad = [f"{k} {v}" for k, v in at_least_one.items() if v < 1]
+        if bad:
+            raise ConfigError(f"must be at least 1: {', '.join(bad)}")
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            raise ConfigError(f"--dp-shard must be -1 (infer) or at least 1, got {self.dp_shard}")
+        if self.seq_len < 2:
+            raise ConfigError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+
+    def _check_batch(self, dims: ParallelDims) -> None:
+        dp = dims.dp_degree
+        if self.global_batch % dp:
+            raise ConfigError(
+                f"--global-batch {self.global_batch} is not divisible by the data-parallel degree "
+                f"dp_replicate*dp_shard = {dims.dp_replicate}*{dims.dp_shard} = {dp}"
+            )
+
+    def _check_tp(self, model: ModelArgs, dims: ParallelDims) -> None:
+        tp = dims.tp
+        if model.n_heads % tp or model.n_kv_heads % tp:
+            raise ConfigError(
+                f"--tp {tp} must divide the attention heads of config {self.config!r}: "
+                f"n_heads={model.n_heads}, n_kv_heads={model.n_kv_heads}"
+            )
+        if (self.sequence_parallel or self.loss_parallel) and tp == 1:
+            used = [f for f, on in (("--sequence-parallel", self.sequence_parallel),
+                                    ("--loss-parallel", self.loss_parallel)) if on]
+            raise ConfigError(f"{' and '.join(used)} {'work' if len(used) > 1 else 'works'} over the "
+                              f"tensor-parallel axis and needs --tp > 1 (got --tp 1)")
+        if self.sequence_parallel and self.seq_len % tp:
+            raise ConfigError(f"--seq-len {self.seq_len} is not divisible by --tp {tp} (needed by --sequence-parallel)")
+
+    def _check_checkpointing(self) -> None:
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+        unsupported = checkpoint_support_error(self.checkpoint_dir)
+        if unsupported:
+            raise ConfigError(unsupported)
+
+    def _check_corpus(self) -> None:
+        size = sum(os.path.getsize(p) for p in corpus_files())
+        if size < self.seq_len + 1:
+            raise ConfigError(f"--seq-len {self.seq_len} is longer than the training corpus ({size} bytes)")

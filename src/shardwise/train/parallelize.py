@@ -1,0 +1,172 @@
+"""Apply parallelism to the single-device ``Transformer``, from outside, in a fixed order.
+
+1. Tensor (and sequence) parallelism over the "tp" mesh axis: ``parallelize_module`` with plan
+   dicts keyed by module path (``tp_plans``). Parameters become DTensors sharded over tp.
+2. Activation checkpointing per transformer block (recompute its activations in backward).
+3. Data parallelism over the dp axes, chosen from the degrees as torchtitan does:
+   dp_shard > 1 -> FSDP (``fully_shard`` per block, then the root), on a (dp_replicate,
+   dp_shard) mesh when dp_replicate > 1 too (HSDP); dp_replicate only -> ``replicate`` (DDP).
+
+The order matters: FSDP shards whatever parameters it finds, so it must come after TP has
+turned them into tp-sharded DTensors (FSDP then adds its own axis), and after checkpointing
+has wrapped the blocks FSDP will treat as units. The model is fully initialized on every rank
+with the same seed before this runs; sharding only cuts the same values, so every layout starts
+from the weights of the single-device run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from shardwise.parallel.parallel_dims import ParallelDims
+
+__all__ = ["ParallelOptions", "parallelize_llama", "tp_plans", "apply_tp", "apply_ac", "apply_fsdp", "apply_ddp"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelOptions:
+    """How to parallelize beyond the degrees: the flags of the job."""
+
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    activation_checkpointing: bool = False
+    mixed_precision: bool = False
+
+
+def parallelize_llama(model: nn.Module, dims: ParallelDims, world_mesh, options: ParallelOptions) -> nn.Module:
+    """Apply TP/SP, then activation checkpointing, then FSDP/HSDP or DDP, in place.
+
+    Args:
+        model: a ``Transformer``, initialized, on its device.
+        dims: the job's degrees.
+        world_mesh: ``dims.build_mesh(...)`` (None when the world is one rank).
+        options: sequence/loss parallel, checkpointing, mixed precision.
+
+    Returns:
+        The same module, parallelized.
+    """
+    if dims.tp_enabled:
+        apply_tp(model, world_mesh["tp"], options.sequence_parallel, options.loss_parallel)
+    if options.activation_checkpointing:
+        apply_ac(model)
+    if dims.dp_shard_enabled:
+        axes = ("dp_replicate", "dp_shard") if dims.dp_replicate_enabled else "dp_shard"
+        apply_fsdp(model, world_mesh[axes], options.mixed_precision)
+    elif dims.dp_replicate_enabled:
+        apply_ddp(model, world_mesh["dp_replicate"])
+    return model
+
+
+def fsdp_applies_mixed_precision(dims: ParallelDims) -> bool:
+    """Whether FSDP casts parameters for this layout (else the trainer autocasts the forward)."""
+    return dims.dp_shard_enabled
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+def tp_plans(sequence_parallel: bool, loss_parallel: bool) -> tuple[dict, dict]:
+    """(root plan, per-block plan) for tensor parallelism, keyed by module path.
+
+    Linear layers pair up Megatron-style: ``wq/wk/wv`` and ``w1/w3`` are column-sharded (each
+    rank computes some heads / hidden units), ``wo`` and ``w2`` row-sharded (their partial sums
+    are reduced once per sub-block). With sequence parallelism the residual stream and the norms
+    stay sharded along the sequence (dim 1) between sub-blocks, so the reduction becomes a
+    reduce-scatter and the block input an all-gather. With loss parallelism the output layer
+    keeps logits sharded over the vocabulary (dim -1) for the loss.
+    """
+    from shardwise.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+    from shardwise.placement import Replicate, Shard
+
+    between = Shard(1) if sequence_parallel else Replicate()  # residual-stream layout
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    block = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=between),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if sequence_parallel:
+        root["norm"] = SequenceParallel()
+        block.update({
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return root, block
+
+
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Shard the model over the 1-D ``tp_mesh`` with ``tp_plans``."""
+    from shardwise.parallel import parallelize_module
+
+    root, block = tp_plans(sequence_parallel, loss_parallel)
+    parallelize_module(model, tp_mesh, root)
+    for layer in model.layers.values():
+        parallelize_module(layer, tp_mesh, block)
+
+
+# ---------------------------------------------------------------------- activation checkpointing
+_CHECKPOINTED: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward runs under non-reentrant activation checkpointing.
+
+    Swapping the instance's class (rather than wrapping it in another module) keeps every
+    parameter name unchanged, so plans, FSDP and checkpoints see the same paths with or without
+    checkpointing.
+    """
+    if cls not in _CHECKPOINTED:
+        def forward(self, *args, **kwargs):
+            inner = super(sub, self).forward
+            return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+        sub = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+        _CHECKPOINTED[cls] = sub
+    return _CHECKPOINTED[cls]
+
+
+def apply_ac(model: nn.Module) -> None:
+    """Recompute each transformer block's activations in backward instead of keeping them."""
+    for block in model.layers.values():
+        if type(block) not in _CHECKPOINTED.values():
+            block.__class__ = _checkpointed_class(type(block))
+
+
+# ---------------------------------------------------------------------- data parallelism
+def apply_fsdp(model: nn.Module, dp_mesh, mixed_precision: bool) -> None:
+    """Shard parameters over ``dp_mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP).
+
+    Each block is its own unit (its parameters are gathered just before it runs and freed
+    after); the root unit holds the embedding, final norm and output. The last block keeps its
+    parameters after forward, since backward needs them first.
+    """
+    from shardwise.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mixed_precision else MixedPrecisionPolicy())
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+
+
+def apply_ddp(model: nn.Module, dp_mesh) -> None:
+    """Replicate the model over ``dp_mesh``; gradients are averaged over it after backward."""
+    from shardwise.fsdp import replicate
+
+    replicate(model, mesh=dp_mesh)

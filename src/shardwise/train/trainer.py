@@ -1,0 +1,187 @@
+"""The per-rank training job: set up, build and parallelize the model, run the loop, report.
+
+``run_job(job)`` is what every rank executes (or the only process, for a one-process job
+started without a launcher). Steps:
+
+1. ``Runtime``: process group (gloo on CPU, nccl on CUDA) and the world mesh from the degrees.
+2. The model, built whole on every rank from the same seed, then ``parallelize_llama``.
+3. AdamW with linear warmup and cosine decay; the data position is the step counter.
+4. The loop: forward, loss (under ``loss_parallel`` when asked), backward, step; progress every
+   ``log_every`` steps and a summary at the end (rank 0), the loss curve and metrics file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardwise.launch import under_launcher
+from shardwise.parallel.parallel_dims import ParallelDims
+from shardwise.train.checkpointing import TrainState, make_checkpointer
+from shardwise.train.config import JobConfig
+from shardwise.train.data import BatchSource, load_corpus
+from shardwise.train.metrics import RunMetrics
+from shardwise.train.model import Transformer
+from shardwise.train.parallelize import ParallelOptions, fsdp_applies_mixed_precision, parallelize_llama
+from shardwise.train.plot import write_loss_plot
+
+__all__ = ["Runtime", "resolve_device", "run_job", "lr_factor", "build_model", "loss_fn"]
+
+
+def resolve_device(choice: str) -> str:
+    """"cpu" or "cuda" for the --device flag ("auto": cuda when a GPU is visible)."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
+@dataclass
+class Runtime:
+    """Where this rank runs: its device, rank, degrees and meshes (None for one process)."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    dims: ParallelDims
+    world_mesh: object = None  # the N-D mesh of ParallelDims.build_mesh
+    flat_mesh: object = None  # 1-D mesh of all ranks (summaries)
+
+    @property
+    def dp_mesh(self):
+        """1-D mesh of the data-parallel ranks, or None without data parallelism."""
+        return self.world_mesh["dp"] if self.world_mesh is not None and self.dims.dp_enabled else None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+
+    @classmethod
+    def create(cls, job: JobConfig) -> "Runtime":
+        """Join the process group of the launcher (if any) and build the meshes."""
+        device_type = resolve_device(job.device)
+        dims = job.parallel_dims()
+        if not under_launcher():
+            device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+            return cls(device, 0, 1, dims)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+        else:
+            device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        from shardwise.mesh import DeviceMesh
+
+        world = dist.get_world_size()
+        flat = DeviceMesh(device_type, list(range(world)), mesh_dim_names=("world",))
+        return cls(device, dist.get_rank(), world, dims, dims.build_mesh(device_type), flat)
+
+    def close(self) -> None:
+        if self.world_mesh is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Learning-rate multiplier at 0-based ``step``: linear warmup, then cosine down to 10%."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    span = max(total - warmup, 1)
+    progress = min((step - warmup) / span, 1.0)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_model(job: JobConfig, runtime: Runtime) -> torch.nn.Module:
+    """The whole model from ``job.seed`` on every rank, then parallelized for the layout."""
+    torch.manual_seed(job.seed)
+    with runtime.device:
+        model = Transformer(job.model_args())
+    options = ParallelOptions(job.sequence_parallel, job.loss_parallel,
+                              job.activation_checkpointing, job.mixed_precision)
+    return parallelize_llama(model, runtime.dims, runtime.world_mesh, options)
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over every token of the (local) batch, in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def _step_context(job: JobConfig, runtime: Runtime) -> contextlib.AbstractContextManager:
+    """loss_parallel for vocabulary-sharded logits; bf16 autocast when FSDP does not cast."""
+    stack = contextlib.ExitStack()
+    if job.loss_parallel:
+        from shardwise.parallel import loss_parallel
+
+        stack.enter_context(loss_parallel())
+    if job.mixed_precision and not fsdp_applies_mixed_precision(runtime.dims):
+        stack.enter_context(torch.autocast(runtime.device.type, dtype=torch.bfloat16))
+    return stack
+
+
+def _local_value(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor (a loss-parallel loss is a replicated DTensor)."""
+    return loss.to_local() if hasattr(loss, "to_local") else loss
+
+
+def _say(runtime: Runtime, text: str) -> None:
+    if runtime.rank == 0:
+        print(text, flush=True)
+
+
+def run_job(job: JobConfig) -> int:
+    """Train ``job`` on this rank; return the exit status."""
+    runtime = Runtime.create(job)
+    try:
+        return _train(job, runtime)
+    finally:
+        runtime.close()
+
+
+def _train(job: JobConfig, runtime: Runtime) -> int:
+    args = job.model_args()
+    _say(runtime, f"shardwise.train: config {job.config!r} ({args.num_params() / 1e6:.2f}M params), "
+                  f"{job.nproc} rank(s) on {runtime.device.type}, layout {job.layout()}, "
+                  f"global batch {job.global_batch} x {job.seq_len} tokens, {job.steps} steps")
+    model = build_model(job, runtime)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, job.warmup, job.steps))
+    state = TrainState(model, optimizer, scheduler)
+    checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.resume)
+    first = checkpointer.restore(state)
+    data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
+    metrics = RunMetrics(job.global_batch * job.seq_len, job.steps, runtime.dp_mesh, runtime.flat_mesh,
+                         runtime.device, runtime.rank)
+    metrics.start()
+    for step in range(first, job.steps):
+        inputs, labels = (t.to(runtime.device) for t in data.batch_at(step))
+        with _step_context(job, runtime):
+            loss = loss_fn(model(inputs), labels)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        metrics.record_step(_local_value(loss), scheduler.get_last_lr()[0])
+        scheduler.step()
+        state.step = step + 1
+        checkpointer.after_step(state)
+        if state.step % job.log_every == 0 or state.step == job.steps:
+            metrics.flush(state.step)
+    _finish(job, runtime, metrics)
+    return 0
+
+
+def _finish(job: JobConfig, runtime: Runtime, metrics: RunMetrics) -> None:
+    """Summary, metrics file and loss plot (rank 0)."""
+    if runtime.rank != 0 or not metrics.losses:
+        return
+    print("\n".join(metrics.summary_lines(f"{job.config} {job.layout()}")), flush=True)
+    if job.metrics_file:
+        metrics.write_json(job.metrics_file, {"job": job.as_dict(), "layout": job.layout()})
+        print(f"  metrics: {job.metrics_file}", flush=True)
+    if job.plot:
+        print(f"  {write_loss_plot(job.plot, metrics.losses, title=f'{job.config} {job.layout()}')}", flush=True)
