@@ -25,7 +25,7 @@ from shardwise.placement import Replicate
 from shardwise.redistribute.execute import redistribute_local
 from shardwise.spec import DTensorSpec, TensorMeta, dtype_name
 
-__all__ = ["dispatch", "render_call", "clear_cache", "cache_info", "implicit_replication", "CACHE_SIZE"]
+__all__ = ["dispatch", "render_call", "clear_cache", "cache_info", "implicit_replication", "ImplicitScope", "CACHE_SIZE"]
 
 CACHE_SIZE = 4096
 _CACHE: OrderedDict = OrderedDict()
@@ -51,24 +51,38 @@ def cache_info() -> dict[str, int]:
     return {"size": len(_CACHE), "max": CACHE_SIZE}
 
 
+@dataclasses.dataclass(frozen=True)
+class ImplicitScope:
+    """Which plain tensors count as replicated: any in ``ops``; integer/bool ones anywhere if
+    ``integer_tensors`` (labels, and masks computed from them)."""
+
+    ops: frozenset = frozenset()
+    integer_tensors: bool = False
+
+    def allows(self, func, tensors: list) -> bool:
+        if func in self.ops:
+            return True
+        return self.integer_tensors and not any(t.is_floating_point() or t.is_complex() for t in tensors)
+
+
 class implicit_replication:
     """Context manager: plain tensors mixed with DTensors count as replicated on the mesh.
 
     Without it, mixing is an error (a plain tensor has no layout; assuming one silently is how
-    results go wrong). 0-dim tensors are scalars and are always allowed. ``ops`` limits it to
-    those ops (``loss_parallel`` uses this for plain labels); the setting is part of the
-    dispatch cache key, so a decision made inside never leaks outside.
+    results go wrong). 0-dim tensors are scalars and are always allowed. ``scope`` limits it
+    (``loss_parallel`` uses one for plain labels); the setting is part of the dispatch cache
+    key, so a decision made inside never leaks outside.
     """
 
-    def __init__(self, ops: frozenset | None = None) -> None:
-        self._ops = ops
+    def __init__(self, scope: ImplicitScope | None = None) -> None:
+        self._scope = scope
 
     def __enter__(self) -> None:
         self._before = _IMPLICIT[0]
-        if self._ops is None:
+        if self._scope is None:
             _IMPLICIT[0] = True
         elif self._before is not True:
-            _IMPLICIT[0] = self._ops | (self._before or frozenset())
+            _IMPLICIT[0] = self._scope
 
     def __exit__(self, *exc) -> None:
         _IMPLICIT[0] = self._before
@@ -213,7 +227,7 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
     mesh = meshes[0]
     plain = [(w, t) for w, t in _plain_tensors(args, kwargs, DTensor) if not registry.is_plain_index(func, w, t)]
     implicit = _IMPLICIT[0]
-    if plain and not (implicit is True or (implicit and func in implicit)):
+    if plain and not (implicit is True or (implicit and implicit.allows(func, [t for _, t in plain]))):
         where, tensor = plain[0]
         raise ValueError(
             f"{describe()}: argument {where} is a plain tensor {_plain(tensor)} mixed with DTensors. "
