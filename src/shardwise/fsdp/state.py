@@ -1,0 +1,132 @@
+"""FSDPState: the hooks fully_shard installs on a module, and the root's end of backward.
+
+Timeline of one group (a fully_shard'ed module) in a training step::
+
+    pre-forward   all_gather (unshard), register gathered params on the module
+    post-forward  register sharded params again; free the gathered storage
+                  (reshard_after_forward); hook the outputs for backward
+    pre-backward  (first gradient of an output) all_gather again into the same storage
+    post-backward (every gradient accumulated) reduce_scatter into param.grad, free storage
+
+The outermost fully_shard'ed module that runs forward becomes the root: the first hook of a
+backward pass queues the root's end-of-backward callback, which reduces any group whose
+gradients did not all arrive (unused parameters) and frees whatever is still gathered, so
+nothing is left gathered or unreduced when ``backward()`` returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from shardwise.fsdp.backward import on_output_grad, queue_end_of_backward
+from shardwise.fsdp.group import ParamGroup
+from shardwise.fsdp.policy import MixedPrecisionPolicy
+
+__all__ = ["FSDPState", "STATE_ATTR", "state_of"]
+
+STATE_ATTR = "_shardwise_fsdp_state"
+
+
+def state_of(module: nn.Module) -> "FSDPState | None":
+    """The fully_shard state of ``module``, if it has one."""
+    return module.__dict__.get(STATE_ATTR)
+
+
+class FSDPState:
+    """Hooks and flags of one fully_shard'ed module."""
+
+    def __init__(
+        self, module: nn.Module, label: str, group: ParamGroup, reshard_after_forward: bool, policy: MixedPrecisionPolicy
+    ) -> None:
+        self.module = module
+        self.label = label
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.policy = policy
+        self.root: FSDPState | None = None
+        self.subtree: list[FSDPState] = []
+        self._callback_queued = False
+        self._pending_reduce = False
+        self._grads_ready = 0
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
+        """Register the forward hooks and one post-accumulate-grad hook per trainable parameter."""
+        self._handles.append(self.module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True))
+        for p in self.group.params:
+            if p.requires_grad:
+                self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def _lazy_init(self) -> None:
+        """The first module to run forward without a root is the root of every state below it."""
+        if self.root is not None:
+            return
+        self.subtree = [s for m in self.module.modules() if (s := state_of(m)) is not None]
+        for state in self.subtree:
+            state.root = self
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._lazy_init()
+        self.group.unshard()
+        self.group.use_unsharded()
+        if self.policy.param_dtype is not None and self.policy.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        self.group.use_sharded()
+        backward_follows = torch.is_grad_enabled() and self.group.num_requires_grad > 0
+        if backward_follows:
+            self._pending_reduce = True
+            on_output_grad(output, self._pre_backward)
+        if not backward_follows or self.reshard_after_forward:
+            self.group.reshard()
+        if self.policy.output_dtype is not None:
+            output = _cast_floats(output, self.policy.output_dtype)
+        return output
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self) -> None:
+        self._root()._queue_callback()
+        self.group.unshard()
+
+    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
+        self._root()._queue_callback()
+        self._grads_ready += 1
+        if self._grads_ready == self.group.num_requires_grad:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        self.group.reduce_grads()
+        self.group.reshard()
+        self._grads_ready = 0
+        self._pending_reduce = False
+
+    def _root(self) -> "FSDPState":
+        return self.root if self.root is not None else self
+
+    def _queue_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            queue_end_of_backward(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Root only: reduce what is still pending (in a fixed order on every rank), free the rest."""
+        self._callback_queued = False
+        for state in self.subtree or [self]:
+            if state._pending_reduce:
+                state._reduce()
+            state.group.reshard()
+            state._grads_ready = 0
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor cast to ``dtype``."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
