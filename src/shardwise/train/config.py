@@ -235,8 +235,9 @@ class JobConfig:
         if (self.sequence_parallel or self.loss_parallel) and tp == 1:
             used = [f for f, on in (("--sequence-parallel", self.sequence_parallel),
                                     ("--loss-parallel", self.loss_parallel)) if on]
-            raise ConfigError(f"{' and '.join(used)} {'work' if len(used) > 1 else 'works'} over the "
-                              f"tensor-parallel axis and needs --tp > 1 (got --tp 1)")
+            verb = "shard" if len(used) > 1 else "shards"
+            raise ConfigError(f"{' and '.join(used)} {verb} over the tensor-parallel axis: "
+                              f"use --tp > 1 (got --tp 1)")
         if self.sequence_parallel and self.seq_len % tp:
             raise ConfigError(f"--seq-len {self.seq_len} is not divisible by --tp {tp} (needed by --sequence-parallel)")
 

@@ -125,8 +125,8 @@ def _step_context(job: JobConfig, runtime: Runtime) -> contextlib.AbstractContex
 
 
 def _local_value(loss: torch.Tensor) -> torch.Tensor:
-    """The loss as a plain tensor (a loss-parallel loss is a replicated DTensor)."""
-    return loss.to_local() if hasattr(loss, "to_local") else loss
+    """The loss as a plain tensor: a loss-parallel loss is a DTensor, possibly still Partial."""
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
 def _say(runtime: Runtime, text: str) -> None:
