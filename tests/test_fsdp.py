@@ -156,3 +156,135 @@ def test_flat_layout_round_trips_uneven_and_empty_shards():
             want = sum(p.double() for p in parts).narrow(0, slot.shard_offset(world, r), slot.shard_shape(world, r)[0])
             assert got.shape == want.shape and torch.allclose(got, want)
     assert layout.slots[0].shard_shape(world, 3) == (0,)  # 3 rows over 4 ranks: rank 3 is empty
+
+
+# ---------------------------------------------------------------------- collectives per group
+def _counts(reshard_after_forward: bool):
+    mesh = sw.init_device_mesh("cpu", (4,))
+    model = _shard_model(_model(), mesh, reshard_after_forward=reshard_after_forward)
+    x, y = _local_batch(0, mesh.get_local_rank(), 4)
+    with CommDebugMode() as fwd:
+        out = model(x)
+    loss = nn.functional.mse_loss(out, y)
+    with CommDebugMode() as bwd:
+        loss.backward()
+    after = [(type(p).__name__, p.grad is not None and p.grad.placements == p.placements) for p in model.parameters()]
+    return fwd.get_comm_counts(), bwd.get_comm_counts(), after
+
+
+def test_one_all_gather_and_one_reduce_scatter_per_group(dist):
+    groups = 5  # four blocks and the root (inp + head)
+    for fwd, bwd, after in dist.run(4, _counts, True):
+        assert fwd == {"all_gather": groups}
+        assert bwd == {"all_gather": groups, "reduce_scatter": groups}  # gathered again for backward
+        assert set(after) == {("DTensor", True)}
+    for fwd, bwd, _ in dist.run(4, _counts, False):
+        assert fwd == {"all_gather": groups} and bwd == {"reduce_scatter": groups}
+
+
+# ---------------------------------------------------------------------- eval, accumulation, SGD
+def _accumulate_and_eval():
+    from shardwise.fsdp.memory import live_bytes
+
+    mesh = sw.init_device_mesh("cpu", (4,))
+    model = _shard_model(_model(), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    rank = mesh.get_local_rank()
+    for step in range(2):
+        x, y = _local_batch(step, rank, 4)
+        for micro in range(2):  # two backward passes per step, gradients accumulate
+            nn.functional.mse_loss(model(x[micro : micro + 1]), y[micro : micro + 1]).div(2).backward()
+        opt.step()
+        model.zero_grad()
+    with torch.no_grad():
+        evaluated = model(_data(9)[0])
+    grads_cleared = all(p.grad is None for p in model.parameters())
+    return evaluated, {n: p.full_tensor() for n, p in model.named_parameters()}, grads_cleared, live_bytes()
+
+
+def test_gradient_accumulation_sgd_and_no_grad_eval(dist):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    for step in range(2):
+        x, y = _data(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        want_eval = model(_data(9)[0])
+    for evaluated, params, grads_cleared, live in dist.run(4, _accumulate_and_eval):
+        torch.testing.assert_close(evaluated, want_eval, rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        assert grads_cleared and live == 0  # nothing stays gathered after an eval forward
+
+
+# ---------------------------------------------------------------------- HSDP
+def _hsdp_parity():
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _shard_model(_model(), mesh)
+    placements = {p.placements for p in model.parameters()}
+    x, y = _local_batch(0, dist.get_rank(), 4)
+    with CommDebugMode() as comms:
+        nn.functional.mse_loss(model(x), y).backward()
+    model.zero_grad()
+    kinds = sorted({(r.kind, r.mesh.axis_name(r.axis)) for r in comms.records})
+    return _train(model, dist.get_rank(), 4), placements, comms.get_comm_counts(), kinds
+
+
+def test_hsdp_matches_single_device_training(dist):
+    out = dist.run(4, _hsdp_parity)
+    _check_parity([o[0] for o in out], lambda r: r, 4)  # every rank is its own data-parallel rank
+    for _, placements, counts, kinds in out:
+        assert placements == {(Replicate(), Shard(0))}
+        assert counts == {"all_gather": 10, "reduce_scatter": 5, "all_reduce": 5}
+        assert kinds == [("all_gather", "shard"), ("all_reduce", "replicate"), ("reduce_scatter", "shard")]
+
+
+# ---------------------------------------------------------------------- FSDP + TP
+def _tp_partition(name: str, module: nn.Module, mesh) -> None:
+    """Colwise ``up`` (weight and bias Shard(0)), rowwise ``down`` (weight Shard(1)); the rest replicated."""
+    if name.endswith(".up"):
+        module.weight = nn.Parameter(sw.distribute_tensor(module.weight.data, mesh, [Shard(0)]))
+        module.bias = nn.Parameter(sw.distribute_tensor(module.bias.data, mesh, [Shard(0)]))
+    elif name.endswith(".down"):
+        module.weight = nn.Parameter(sw.distribute_tensor(module.weight.data, mesh, [Shard(1)]))
+
+
+def _fsdp_tp_parity():
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = sw.distribute_module(
+        _model(),
+        tp,
+        partition_fn=_tp_partition,
+        input_fn=lambda mod, inputs, m: (DTensor.from_local(inputs[0], m, [Replicate()]),),
+        output_fn=lambda mod, out, m: out.redistribute(m, [Replicate()]).to_local(),
+    )
+    _shard_model(model, mesh["dp"])
+    seen = []
+    model.layers[0].up.register_forward_hook(
+        lambda mod, args, out: seen.append((type(mod.weight).__name__, mod.weight.device_mesh.mesh_dim_names, mod.weight.placements))
+    )
+    layouts = {
+        n: (p.device_mesh.mesh_dim_names, dict(zip(p.device_mesh.mesh_dim_names, p.placements)))
+        for n, p in model.named_parameters()
+    }
+    dp_rank = mesh.get_local_rank("dp")
+    x, y = _local_batch(0, dp_rank, 2)
+    with CommDebugMode() as comms:
+        model(x)
+    gathers = sum(1 for r in comms.records if r.kind == "all_gather" and r.mesh.axis_name(r.axis) == "dp")
+    return _train(model, dp_rank, 2), layouts, seen[0], gathers
+
+
+def test_fsdp_with_tensor_parallel_matches_single_device_training(dist):
+    out = dist.run(4, _fsdp_tp_parity)
+    _check_parity([o[0] for o in out], lambda r: r // 2, 2)  # mesh [[0, 1], [2, 3]]: dp = rank // 2
+    for _, layouts, seen, gathers in out:
+        assert layouts["layers.1.up.weight"] == (("tp", "dp"), {"tp": Shard(0), "dp": Shard(0)})
+        assert layouts["layers.1.up.bias"] == (("tp", "dp"), {"tp": Shard(0), "dp": Shard(0)})
+        assert layouts["layers.1.down.weight"] == (("tp", "dp"), {"tp": Shard(1), "dp": Shard(0)})
+        assert layouts["head.bias"] == (("tp", "dp"), {"tp": Replicate(), "dp": Shard(0)})
+        assert seen == ("DTensor", ("tp",), (Shard(0),))  # forward computes on the TP layout
+        assert gathers == 5  # one all_gather over dp per group
