@@ -288,3 +288,157 @@ def test_fsdp_with_tensor_parallel_matches_single_device_training(dist):
         assert layouts["head.bias"] == (("tp", "dp"), {"tp": Replicate(), "dp": Shard(0)})
         assert seen == ("DTensor", ("tp",), (Shard(0),))  # forward computes on the TP layout
         assert gathers == 5  # one all_gather over dp per group
+
+
+# ---------------------------------------------------------------------- mixed precision
+def _mixed_precision():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _shard_model(_model(), mesh, mp_policy=policy)
+    seen = []
+    model.layers[0].up.register_forward_hook(lambda mod, args, out: seen.append((mod.weight.dtype, args[0].dtype, out.dtype)))
+    x, y = _local_batch(0, mesh.get_local_rank(), 4)
+    nn.functional.mse_loss(model(x).float(), y).backward()
+    grads = {n: (p.grad.dtype, p.grad.full_tensor()) for n, p in model.named_parameters()}
+    _optimizer(model.parameters()).step()
+    kept = {(p.dtype, p._local_tensor.dtype) for p in model.parameters()}
+    return seen, grads, kept
+
+
+def test_mixed_precision_computes_in_bf16_and_reduces_fp32_grads(dist):
+    model = _model()
+    x, y = _data(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    for seen, grads, kept in dist.run(4, _mixed_precision):
+        assert seen == [(torch.bfloat16, torch.bfloat16, torch.bfloat16)]
+        assert kept == {(torch.float32, torch.float32)}  # sharded params and optimizer stay fp32
+        for name, p in model.named_parameters():
+            dtype, grad = grads[name]
+            assert dtype == torch.float32
+            # bf16 keeps ~3 significant digits: loose, yet far below a wrong average (x4) or sign
+            torch.testing.assert_close(grad, p.grad, rtol=0.05, atol=0.02 * p.grad.abs().max().item(), msg=name)
+
+
+# ---------------------------------------------------------------------- peak parameter memory
+class Stack(nn.Module):
+    """Blocks only: after per-block fully_shard the root group holds no parameters."""
+
+    def __init__(self, blocks: int, d: int, h: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d, h) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _peak_memory(reshard_after_forward: bool):
+    """Peak parameter bytes on this rank during forward + backward.
+
+    Measured: sharded storage (the bytes of every parameter's local shard, read from the
+    tensors) + the peak of gathered parameter storage, which fully_shard counts on every
+    resize of an unsharded parameter's storage (``UnshardedMemory``); at every block's forward
+    the counter is checked against the storages of all gathered parameters. The all_gather
+    send/receive buffers are reported separately (``peak_bytes_with_staging``).
+    """
+    from shardwise.fsdp.memory import live_bytes
+    from shardwise.fsdp.state import state_of
+
+    mesh = sw.init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    model = Stack(6, 17, 38)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.layers)
+    # rounding of uneven shards: a shard has ceil(rows / 4) rows, a gathered block ceil(rows / 4) * 4
+    row_bytes = lambda p: p[0].numel() * p.element_size()  # noqa: E731
+    ceil_rows = lambda p: -(-p.shape[0] // 4)  # noqa: E731
+    shard_round = sum((ceil_rows(p) - p.shape[0] / 4) * row_bytes(p) for p in model.parameters())
+    block_round = max(sum((4 * ceil_rows(p) - p.shape[0]) * row_bytes(p) for p in b.parameters()) for b in model.layers)
+    pad = shard_round + block_round
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    sharded = sum(p._local_tensor.untyped_storage().nbytes() for p in model.parameters())
+    states = [state_of(m) for m in model.modules() if state_of(m) is not None]
+    checks = []
+
+    def storage_matches_counter(*_):
+        real = sum(p.unsharded.untyped_storage().nbytes() for s in states for p in s.group.params)
+        checks.append(real == live_bytes("unsharded"))
+
+    for layer in model.layers:
+        layer.register_forward_hook(storage_matches_counter)
+    x = torch.randn(4, 17)
+    with UnshardedMemory() as mem:
+        model(x).square().mean().backward()
+    return dict(sharded=sharded, peak=mem.peak_bytes, staged=mem.peak_bytes_with_staging,
+                total=total, block=block, pad=pad, checks=checks, live_after=live_bytes("unsharded"))
+
+
+def test_peak_parameter_memory_is_one_shard_plus_one_block(dist):
+    for m in dist.run(4, _peak_memory, True):
+        assert all(m["checks"]) and len(m["checks"]) == 6 and m["live_after"] == 0
+        bound = m["total"] / 4 + m["block"] + m["pad"]
+        assert m["block"] <= m["peak"] and m["sharded"] + m["peak"] <= bound, m
+        # the all_gather buffers (one block's flat receive buffer + this rank's send buffer) come on top
+        assert m["sharded"] + m["staged"] <= bound + (m["block"] + m["pad"]) * (1 + 1 / 4), m
+    # Without resharding every block stays gathered until its backward: the bound must catch it.
+    for m in dist.run(4, _peak_memory, False):
+        assert m["sharded"] + m["peak"] > m["total"] / 4 + m["block"] + m["pad"], m
+
+
+# ---------------------------------------------------------------------- bad input
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+
+def _twice():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    layer = fully_shard(nn.Linear(4, 4), mesh=mesh)
+    with CommDebugMode() as comms:
+        try:
+            fully_shard(layer, mesh=mesh)
+        finally:
+            assert comms.get_total_counts() == 0
+            dist.barrier()
+
+
+def _child_after_parent():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    model = fully_shard(Pair(), mesh=mesh)
+    fully_shard(model.b, mesh=mesh)
+
+
+def _three_d_mesh():
+    mesh = sw.init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c"))
+    fully_shard(Pair(), mesh=mesh)
+
+
+def _different_meshes():
+    mesh = sw.init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "tp", "cp"))
+    model = Pair()
+    model.a.weight = nn.Parameter(sw.distribute_tensor(model.a.weight.data, mesh["tp"], [Shard(0)]))
+    model.b.weight = nn.Parameter(sw.distribute_tensor(model.b.weight.data, mesh["cp"], [Shard(1)]))
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def _unrelated_mesh():
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    other = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
+    model = Pair()
+    model.b.bias = nn.Parameter(sw.distribute_tensor(model.b.bias.data, other, [Replicate()]))
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def test_bad_input_raises_one_clear_error_on_every_rank(dist):
+    dist.run_expect_error(4, _twice, match=r"fully_shard was already applied to Linear")
+    dist.run_expect_error(4, _child_after_parent, match=r"fully_shard\(Linear\): parameter 'weight' is already sharded")
+    dist.run_expect_error(4, _three_d_mesh, match=r"fully_shard\(Pair\): the mesh must be 1-D .* or 2-D .*3 axes")
+    dist.run_expect_error(
+        4, _different_meshes, match=r"fully_shard\(Pair\): parameters are on different meshes: 'a.weight' .* 'b.weight'"
+    )
+    dist.run_expect_error(4, _unrelated_mesh, match=r"fully_shard\(Pair\): parameter 'b.bias' lives on mesh\(x=4\)")
