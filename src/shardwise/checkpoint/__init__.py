@@ -53,7 +53,7 @@ On-disk format (version 1), readable without shardwise:
   ``zlib.crc32`` of that stored tensor's bytes. A tensor with no elements has no chunks.
 """
 
-from shardwise.checkpoint.consolidate import consolidate
+from shardwise.checkpoint.consolidation import consolidate
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import METADATA_FILE, Metadata
 from shardwise.checkpoint.optimizer import load_optimizer_state_dict, optimizer_state_dict

@@ -71,7 +71,9 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    buffer = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    buffer._owner = tensor  # the view keeps the buffer alive, and the buffer the tensor
+    return memoryview(buffer).cast("B")
 
 
 def crc32_of(tensor: torch.Tensor) -> int:

@@ -64,14 +64,15 @@ def write_file(
 
     The file is fsync'ed before returning. Each tensor must match its slot's shape and dtype.
     """
+    produced = iter(tensors)
     with open(path, "wb") as f:
         f.write(header_bytes(slots, metadata))
-        count = 0
-        for slot, tensor in zip(slots, tensors):
+        for slot in slots:
+            tensor = next(produced, None)
+            if tensor is None:
+                raise CheckpointError(f"{path}: no tensor for header entry {slot.key!r}")
             f.write(raw_bytes(_checked(slot, tensor)))
-            count += 1
-        if count != len(slots):
-            raise CheckpointError(f"{path}: got {count} tensors for {len(slots)} header entries")
+            del tensor  # hold one tensor at a time, even while the next one is produced
         f.flush()
         os.fsync(f.fileno())
 
