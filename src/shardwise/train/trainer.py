@@ -31,7 +31,7 @@ from shardwise.train.model import Transformer
 from shardwise.train.parallelize import ParallelOptions, fsdp_applies_mixed_precision, parallelize_llama
 from shardwise.train.plot import write_loss_plot
 
-__all__ = ["Runtime", "resolve_device", "run_job", "lr_factor", "build_model", "loss_fn"]
+__all__ = ["Runtime", "resolve_device", "run_job", "train", "lr_factor", "build_model", "loss_fn"]
 
 
 def resolve_device(choice: str) -> str:
@@ -135,15 +135,18 @@ def _say(runtime: Runtime, text: str) -> None:
 
 
 def run_job(job: JobConfig) -> int:
-    """Train ``job`` on this rank; return the exit status."""
+    """Train ``job`` on this rank (joining or starting its process group); return the exit status."""
     runtime = Runtime.create(job)
     try:
-        return _train(job, runtime)
+        metrics = train(job, runtime)
+        _finish(job, runtime, metrics)
     finally:
         runtime.close()
+    return 0
 
 
-def _train(job: JobConfig, runtime: Runtime) -> int:
+def train(job: JobConfig, runtime: Runtime) -> RunMetrics:
+    """Run the job's steps on this rank; return what was measured (losses on every rank)."""
     args = job.model_args()
     _say(runtime, f"shardwise.train: config {job.config!r} ({args.num_params() / 1e6:.2f}M params), "
                   f"{job.nproc} rank(s) on {runtime.device.type}, layout {job.layout()}, "
@@ -171,8 +174,7 @@ def _train(job: JobConfig, runtime: Runtime) -> int:
         checkpointer.after_step(state)
         if state.step % job.log_every == 0 or state.step == job.steps:
             metrics.flush(state.step)
-    _finish(job, runtime, metrics)
-    return 0
+    return metrics
 
 
 def _finish(job: JobConfig, runtime: Runtime, metrics: RunMetrics) -> None:

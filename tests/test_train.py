@@ -1,0 +1,250 @@
+"""The trainer: every parallel layout trains to the losses of one process; bad jobs are refused.
+
+Parity runs the trainer's own ``train`` on the gloo worker pools (no process start-up per
+layout); the reference is a one-process run in the test process. One end-to-end run goes
+through the command line as a subprocess (launching, progress, metrics file, plot), and bad
+jobs are checked through the CLI entry point: one ``error:`` line, exit status 2, no traceback,
+refused before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.train import cli
+from shardwise.train.config import CONFIGS, JobConfig
+from shardwise.train.data import BatchSource, load_corpus
+from shardwise.train.model import Transformer
+from shardwise.train.parallelize import tp_plans
+from shardwise.train.plot import render_loss_png
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
+BASE = ["--config", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--seq-len", "32",
+        "--lr", "3e-3", "--warmup", "2", "--seed", "7", "--log-every", "1000"]
+RTOL = 1e-5
+
+
+# ---------------------------------------------------------------------- parity
+def _losses(argv: list[str]) -> list[float]:
+    """On every rank of a pool: train the job; the globally averaged losses."""
+    from shardwise.train.trainer import Runtime, train
+
+    job = cli.job_from_argv(argv)
+    return train(job, Runtime.create(job)).losses
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    """Losses of the one-process run (this process, no process group)."""
+    from shardwise.train.trainer import Runtime, train
+
+    job = cli.job_from_argv(BASE)
+    assert Runtime.create(job).world_mesh is None
+    return train(job, Runtime.create(job)).losses
+
+
+def _assert_parity(got: list[float], want: list[float], layout: str) -> None:
+    assert len(got) == len(want) == STEPS, (layout, got)
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+    assert worst < RTOL, f"{layout}: losses {got} differ from one process {want} (max rel {worst:.2e})"
+
+
+LAYOUTS = [
+    (4, ["--tp", "2", "--dp-shard", "2"]),
+    (4, ["--dp-shard", "4"]),
+    (4, ["--tp", "4", "--sequence-parallel", "--loss-parallel"]),
+    (4, ["--dp-replicate", "2", "--dp-shard", "2"]),
+    (4, ["--tp", "4", "--activation-checkpointing"]),
+    (8, ["--dp-replicate", "2", "--dp-shard", "2", "--tp", "2"]),
+]
+
+
+@pytest.mark.parametrize("nproc,flags", LAYOUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_layout_trains_to_the_one_process_losses(dist, reference, nproc, flags):
+    per_rank = dist.run(nproc, _losses, BASE + ["--nproc", str(nproc), *flags], timeout=240)
+    assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the global loss"
+    _assert_parity(per_rank[0], reference, " ".join(flags))
+    assert reference[-1] < reference[0], "the reference run does not learn"
+
+
+@pytest.mark.xfail(reason="shardwise.fsdp: the recompute of a checkpointed block in backward still sees the "
+                          "sharded parameters (pre-backward unshards but does not register the unsharded ones)",
+                   raises=AssertionError, strict=False)
+def test_activation_checkpointing_under_fsdp(dist, reference):
+    flags = ["--tp", "2", "--sequence-parallel", "--dp-shard", "2", "--activation-checkpointing"]
+    per_rank = dist.run(4, _losses, BASE + ["--nproc", "4", *flags], timeout=240)
+    _assert_parity(per_rank[0], reference, " ".join(flags))
+
+
+def test_data_parallel_replicas_without_sharding(dist, reference):
+    pytest.importorskip("shardwise.fsdp", reason="shardwise.fsdp not available")
+    from shardwise import fsdp
+
+    if not hasattr(fsdp, "replicate"):
+        pytest.skip("shardwise.fsdp.replicate not available yet")
+    per_rank = dist.run(2, _losses, BASE + ["--nproc", "2", "--dp-replicate", "2"], timeout=240)
+    _assert_parity(per_rank[0], reference, "dp_replicate=2")
+
+
+def test_mixed_precision_stays_near_fp32(dist, reference):
+    per_rank = dist.run(4, _losses, BASE + ["--nproc", "4", "--dp-shard", "4", "--mixed-precision"], timeout=240)
+    got = per_rank[0]
+    assert got != reference, "bf16 parameters gave bit-identical losses: mixed precision is not applied"
+    assert max(abs(g - w) / w for g, w in zip(got, reference)) < 2e-2, (got, reference)
+
+
+def test_command_line_run_launches_reports_and_matches(tmp_path, reference):
+    metrics, plot = tmp_path / "m.json", tmp_path / "loss.png"
+    argv = BASE + ["--nproc", "4", "--tp", "2", "--dp-shard", "2", "--log-every", "3",
+                   "--metrics-file", str(metrics), "--plot", str(plot)]
+    proc = _cli(argv, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == STEPS // 3, proc.stdout  # rank 0 prints, once per log step
+    assert all("tok/s" in line and "mem/rank" in line for line in lines), lines
+    assert "done: tiny dp_shard=2 tp=2" in proc.stdout and "peak memory per rank: r0" in proc.stdout
+    record = json.loads(metrics.read_text())
+    _assert_parity(record["losses"], reference, "CLI dp_shard=2 tp=2")
+    assert len(record["peak_memory_bytes"]) == 4 and min(record["peak_memory_bytes"]) > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------- bad jobs
+BAD_JOBS = [
+    (["--nproc", "4", "--tp", "2", "--dp-shard", "4"], r"dp_replicate\*dp_shard\*cp\*tp\*pp = 8 must equal world_size 4"),
+    (["--nproc", "4", "--tp", "3"], r"world_size 4 is not divisible by .*tp\*pp = 3"),
+    (["--nproc", "4", "--global-batch", "6"], r"--global-batch 6 is not divisible by the data-parallel degree .* = 4"),
+    (["--nproc", "3", "--tp", "3", "--config", "tiny"], r"--tp 3 must divide the attention heads of config 'tiny': n_heads=8, n_kv_heads=4"),
+    (["--nproc", "8", "--tp", "8", "--config", "tiny"], r"--tp 8 must divide .* n_kv_heads=4"),
+    (["--nproc", "16", "--tp", "16", "--config", "llama3_8b"], r"--tp 16 must divide the attention heads of config 'llama3_8b'"),
+    (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "33"], r"--seq-len 33 is not divisible by --tp 2"),
+    (["--config", "gpt5"], r"unknown config 'gpt5'; known configs: " + ", ".join(CONFIGS)),
+    (["--loss-parallel"], r"--loss-parallel shards over the tensor-parallel axis: use --tp > 1"),
+    (["--checkpoint-every", "5"], r"--checkpoint-every and --resume need --checkpoint-dir"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_JOBS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_job_is_refused_in_the_launching_process(monkeypatch, capsys, argv, message):
+    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", ["shardwise.train", *argv])
+    monkeypatch.setattr(cli, "main_or_launch", _must_not_launch)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardwise.train: error: "), err
+    assert _search(message, err)
+
+
+@pytest.mark.parametrize("argv,message", BAD_JOBS[:3], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_job_is_refused_again_in_every_worker(monkeypatch, capsys, argv, message):
+    """Under torchrun the launching process is torchrun itself: each worker validates."""
+    nproc = argv[argv.index("--nproc") + 1]
+    monkeypatch.setattr(sys, "argv", ["shardwise.train", *argv])
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", nproc)
+        assert cli.worker() == 2
+        err = capsys.readouterr().err
+        assert (_search(message, err) is not None) == (rank == "0"), err  # printed once, by rank 0
+
+
+def test_nproc_must_match_the_launchers_world(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["shardwise.train", "--nproc", "4"])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.worker() == 2
+    assert "--nproc 4 differs from the launcher's world size 2" in capsys.readouterr().err
+
+
+def test_bad_job_from_the_shell_exits_2_without_traceback():
+    proc = _cli(["--nproc", "4", "--tp", "2", "--dp-shard", "4"], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.strip().count("\n") == 0 and "must equal world_size 4" in proc.stderr
+
+
+def _must_not_launch(*args, **kwargs):
+    raise AssertionError("workers were launched for a bad job")
+
+
+def _search(pattern: str, text: str):
+    import re
+
+    return re.search(pattern, text)
+
+
+def _cli(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE")}
+    return subprocess.run([sys.executable, "-m", "shardwise.train", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------- pieces
+def test_model_uses_torchtitan_names_and_grouped_kv_heads():
+    args = CONFIGS["tiny"]
+    torch.manual_seed(0)
+    model = Transformer(args)
+    names = dict(model.named_parameters())
+    for path in ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.feed_forward.w3.weight",
+                 "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "norm.weight", "output.weight"):
+        assert path in names, path
+    assert names["layers.0.attention.wk.weight"].shape == (args.n_kv_heads * args.head_dim, args.dim)
+    assert args.n_kv_heads < args.n_heads
+    assert names["output.weight"].data_ptr() != names["tok_embeddings.weight"].data_ptr()  # untied
+    assert sum(p.numel() for p in model.parameters()) == args.num_params()
+    tokens = torch.randint(0, 256, (2, 16))
+    assert model(tokens).shape == (2, 16, args.vocab_size)
+    # causal: changing a later token leaves earlier logits unchanged
+    other = tokens.clone()
+    other[:, 10] = (other[:, 10] + 1) % 256
+    torch.testing.assert_close(model(other)[:, :10], model(tokens)[:, :10])
+    assert not torch.allclose(model(other)[:, 10:], model(tokens)[:, 10:])
+
+
+def test_debug_config_is_a_laptop_model():
+    assert 1e6 <= CONFIGS["debug"].num_params() <= 4e6
+    assert CONFIGS["llama3_8b"].num_params() > 7e9  # Llama 3 8B shapes (with its 128k vocabulary)
+
+
+def test_tp_plans_cover_every_linear_and_the_sp_norms():
+    pytest.importorskip("shardwise.parallel.style")
+    root, block = tp_plans(sequence_parallel=True, loss_parallel=True)
+    assert set(root) == {"tok_embeddings", "output", "norm"}
+    linears = {f"attention.{w}" for w in ("wq", "wk", "wv", "wo")} | {f"feed_forward.{w}" for w in ("w1", "w2", "w3")}
+    assert linears | {"attention_norm", "ffn_norm", "attention", "feed_forward"} == set(block)
+    plain_root, plain_block = tp_plans(sequence_parallel=False, loss_parallel=False)
+    assert "norm" not in plain_root and set(plain_block) == linears
+
+
+def test_batches_are_deterministic_and_dp_slices_tile_the_global_batch():
+    corpus = load_corpus()
+    assert corpus.numel() > 1_000_000  # the standard library's source
+    whole = BatchSource(corpus, 8, 32, seed=3).global_batch_at(5)
+    assert whole.shape == (8, 33)
+    assert torch.equal(whole, BatchSource(corpus, 8, 32, seed=3).global_batch_at(5))
+    assert not torch.equal(whole, BatchSource(corpus, 8, 32, seed=3).global_batch_at(6))
+    parts = [BatchSource(corpus, 8, 32, seed=3, dp_degree=4, dp_rank=r).batch_at(5) for r in range(4)]
+    torch.testing.assert_close(torch.cat([x for x, _ in parts]), whole[:, :-1], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([y for _, y in parts]), whole[:, 1:], rtol=0, atol=0)
+
+
+def test_builtin_png_writer():
+    png = render_loss_png([5.0, 4.0, 4.5, 3.0])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and png[-8:-4] == b"IEND"
+
+
+def test_job_layout_names():
+    job = JobConfig(nproc=8, dp_replicate=2, tp=2, sequence_parallel=True).validate()
+    assert job.layout() == "dp_replicate=2 dp_shard=2 tp=2 +sp"
