@@ -8,5 +8,6 @@ them for compute and reduce their gradients with few, large collectives.
 from shardwise.fsdp.fully_shard import FSDPModule, fully_shard
 from shardwise.fsdp.memory import UnshardedMemory
 from shardwise.fsdp.policy import MixedPrecisionPolicy
+from shardwise.fsdp.replicate import replicate
 
-__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "UnshardedMemory"]
+__all__ = ["fully_shard", "replicate", "FSDPModule", "MixedPrecisionPolicy", "UnshardedMemory"]

@@ -1,0 +1,167 @@
+"""replicate: data parallelism with whole replicas (DDP), expressed with DTensor.
+
+Parameters become ``nn.Parameter``s holding ``Replicate()`` DTensors on a 1-D data-parallel
+mesh, so the optimizer, ``state_dict`` and checkpoints see DTensors exactly as with
+fully_shard. Forward computes with plain views of the same storage (each rank's replica; no
+copy, no collective). Gradients are averaged in BUCKETS: flat buffers of several parameters'
+gradients, each one all_reduce, launched during backward as soon as every gradient of the
+bucket has arrived, in a fixed order so every rank issues the same collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.api import default_mesh, distribute_tensor
+from shardwise.dtensor import DTensor
+from shardwise.fsdp.backward import queue_end_of_backward
+from shardwise.fsdp.buckets import plan_buckets
+from shardwise.fsdp.owners import ParamOwners, find_owners
+from shardwise.fsdp.param import MANAGED_ATTR
+from shardwise.fsdp.state import state_of
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import Replicate
+
+__all__ = ["replicate"]
+
+STATE_ATTR = "_shardwise_replicate_state"
+
+
+class ReplicatedParam:
+    """A Replicate DTensor parameter and the plain view of its storage that forward uses."""
+
+    def __init__(self, owners: ParamOwners, mesh: DeviceMesh) -> None:
+        self.owners = owners
+        param = owners.param
+        dt = distribute_tensor(param.detach(), mesh, [Replicate()])  # rank 0's values everywhere
+        self.replicated = nn.Parameter(dt, requires_grad=param.requires_grad)
+        setattr(self.replicated, MANAGED_ATTR, True)
+        self.local = nn.Parameter(self.replicated._local_tensor, requires_grad=param.requires_grad)
+
+    def use_local(self) -> None:
+        if self.local.data_ptr() != self.replicated._local_tensor.data_ptr():
+            self.local.data = self.replicated._local_tensor  # the optimizer replaced the block
+        self.owners.register(self.local)
+
+    def use_replicated(self) -> None:
+        self.owners.register(self.replicated)
+
+    def accumulate_grad(self, grad: torch.Tensor) -> None:
+        """Add an averaged gradient into ``replicated.grad`` (a Replicate DTensor)."""
+        if self.replicated.grad is None:
+            self.replicated.grad = DTensor(grad.clone(), self.replicated._spec, requires_grad=False)
+        else:
+            with torch.no_grad():
+                self.replicated.grad.add_(DTensor(grad, self.replicated._spec, requires_grad=False))
+        self.local.grad = None
+
+
+class ReplicateState:
+    """Forward hooks, gradient buckets and their all_reduces for one replicate'd module."""
+
+    def __init__(self, module: nn.Module, params: list[ReplicatedParam], mesh: DeviceMesh, cap_bytes: int) -> None:
+        self.module = module
+        self.params = params
+        self.mesh = mesh
+        sizes = [p.local.numel() * p.local.element_size() for p in params]
+        trainable = [i for i, p in enumerate(params) if p.local.requires_grad]
+        plan = plan_buckets([sizes[i] for i in trainable], [params[i].local.dtype for i in trainable], cap_bytes)
+        self.buckets = [tuple(trainable[j] for j in bucket) for bucket in plan]
+        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self._arrived = [0] * len(self.buckets)
+        self._next = 0  # first bucket not yet reduced in this backward
+        self._pending = False
+        self._callback_queued = False
+
+    def install(self) -> None:
+        self.module.register_forward_pre_hook(self._pre_forward, prepend=True)
+        self.module.register_forward_hook(self._post_forward, always_call=True)
+        for i, p in enumerate(self.params):
+            if p.local.requires_grad:
+                p.local.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
+
+    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        for p in self.params:
+            p.use_local()
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        for p in self.params:
+            p.use_replicated()
+        self._pending = self._pending or (torch.is_grad_enabled() and bool(self.buckets))
+
+    def _on_grad(self, index: int) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            queue_end_of_backward(self._end_of_backward)
+        self._arrived[self._bucket_of[index]] += 1
+        while self._next < len(self.buckets) and self._arrived[self._next] == len(self.buckets[self._next]):
+            self._reduce_next()
+
+    def _reduce_next(self) -> None:
+        """All-reduce (average) the next bucket's gradients as one flat buffer."""
+        bucket = [self.params[i] for i in self.buckets[self._next]]
+        grads = [p.local.grad if p.local.grad is not None else torch.zeros_like(p.local) for p in bucket]
+        with torch.no_grad():
+            flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numels]
+            flat = comm.all_reduce(flat, self.mesh, 0, "avg")
+            for p, g in zip(bucket, flat.split([g.numel() for g in grads])):
+                p.accumulate_grad(g.view_as(p.local))
+        self._next += 1
+
+    def _end_of_backward(self) -> None:
+        """Reduce buckets whose gradients did not all arrive (unused parameters count as zero)."""
+        self._callback_queued = False
+        if self._pending:
+            while self._next < len(self.buckets):
+                self._reduce_next()
+        self._arrived = [0] * len(self.buckets)
+        self._next = 0
+        self._pending = False
+
+
+def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None, bucket_cap_mb: float = 25.0) -> nn.Module:
+    """Replicate ``module`` over a 1-D data-parallel mesh; average gradients in buckets.
+
+    Every parameter becomes an ``nn.Parameter`` holding a ``Replicate()`` DTensor (rank 0's
+    values are broadcast, so replicas start equal). Forward runs on each rank's replica as
+    plain tensors; backward all_reduces gradient buckets of up to ``bucket_cap_mb`` megabytes
+    (walking the parameters from last to first), averaged over the mesh, into ``param.grad``
+    (Replicate DTensors). Gradients accumulate over several backward passes. A parameter no
+    rank used gets a zero gradient (it shares a bucket with others).
+
+    Args:
+        module: the module (changed in place and returned).
+        mesh: 1-D data-parallel mesh (default: the world).
+        bucket_cap_mb: bucket size limit in MiB (2**20 bytes).
+
+    Returns:
+        ``module``.
+
+    Example:
+        >>> replicate(model, mesh=mesh)
+        >>> model(local_batch).mean().backward()   # one all_reduce per bucket
+    """
+    label = type(module).__name__
+    where = f"replicate({label})"
+    if module.__dict__.get(STATE_ATTR) is not None or state_of(module) is not None:
+        raise ValueError(f"{where}: the module is already managed by replicate or fully_shard")
+    mesh = mesh if mesh is not None else default_mesh()
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ValueError(f"{where}: replicate needs a 1-D data-parallel mesh, got {mesh}")
+    if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+        raise ValueError(f"{where}: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+    entries = find_owners(module, set())
+    for entry in entries:
+        if isinstance(entry.param, DTensor) or getattr(entry.param, MANAGED_ATTR, False):
+            raise ValueError(f"{where}: parameter {entry.fqn!r} is already a DTensor; replicate takes plain parameters")
+    params = [ReplicatedParam(entry, mesh) for entry in entries]
+    for p in params:
+        p.use_replicated()
+    state = ReplicateState(module, params, mesh, int(bucket_cap_mb * 2**20))
+    module.__dict__[STATE_ATTR] = state
+    state.install()
+    return module

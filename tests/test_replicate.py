@@ -1,0 +1,42 @@
+"""replicate (DDP with DTensor): parity with single-device training and bucketed all_reduce."""
+
+from __future__ import annotations
+
+from torch import nn
+
+import shardwise as sw
+from shardwise import Replicate
+from shardwise.debug import CommDebugMode
+from shardwise.fsdp import replicate
+from shardwise.fsdp.buckets import plan_buckets
+from tests.test_fsdp import _check_parity, _local_batch, _model, _train
+
+
+def _replicate_parity(bucket_cap_mb: float):
+    mesh = sw.init_device_mesh("cpu", (4,))
+    model = replicate(_model(), mesh=mesh, bucket_cap_mb=bucket_cap_mb)
+    layouts = {(type(p).__name__, p.placements) for p in model.parameters()}
+    x, y = _local_batch(0, mesh.get_local_rank(), 4)
+    loss = nn.functional.mse_loss(model(x), y)
+    with CommDebugMode() as comms:
+        loss.backward()
+    model.zero_grad()
+    return _train(model, mesh.get_local_rank(), 4), layouts, comms.get_comm_counts()
+
+
+def test_replicate_matches_single_device_training_with_bucketed_all_reduce(dist):
+    sizes = [p.numel() * p.element_size() for p in _model().parameters()]
+    for cap_mb in (25.0, 300 / 2**20):  # the default cap, and ~300 bytes: a few parameters per bucket
+        buckets = len(plan_buckets(sizes, ["f32"] * len(sizes), int(cap_mb * 2**20)))
+        assert buckets == 1 if cap_mb == 25.0 else 1 < buckets < len(sizes)
+        out = dist.run(4, _replicate_parity, cap_mb)
+        _check_parity([o[0] for o in out], lambda r: r, 4)
+        for _, layouts, counts in out:
+            assert layouts == {("DTensor", (Replicate(),))}
+            assert counts == {"all_reduce": buckets}  # one collective per bucket, not per parameter
+
+
+def test_bucket_plan_walks_parameters_backwards_and_splits_on_cap_and_dtype():
+    assert plan_buckets([40, 4, 40, 4], ["f32"] * 4, cap_bytes=50) == [(3, 2, 1), (0,)]
+    assert plan_buckets([8, 100, 8], ["f32"] * 3, cap_bytes=50) == [(2,), (1,), (0,)]  # too big: alone
+    assert plan_buckets([4, 4, 4], ["f32", "bf16", "bf16"], cap_bytes=50) == [(2, 1), (0,)]
