@@ -442,3 +442,34 @@ def test_bad_input_raises_one_clear_error_on_every_rank(dist):
         4, _different_meshes, match=r"fully_shard\(Pair\): parameters are on different meshes: 'a.weight' .* 'b.weight'"
     )
     dist.run_expect_error(4, _unrelated_mesh, match=r"fully_shard\(Pair\): parameter 'b.bias' lives on mesh\(x=4\)")
+
+
+# ---------------------------------------------------------------------- activation checkpointing
+class Checkpointed(nn.Module):
+    """Recomputes ``inner``'s forward during backward (non-reentrant activation checkpointing)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _checkpointed_grads():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    model = _model()
+    model.layers = nn.ModuleList(Checkpointed(layer) for layer in model.layers)
+    _shard_model(model, mesh)
+    x, y = _local_batch(0, mesh.get_local_rank(), 4)
+    nn.functional.mse_loss(model(x), y).backward()
+    return {n.replace(".inner", ""): p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_recomputes_with_gathered_parameters(dist):
+    model = _model()
+    x, y = _data(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    for grads in dist.run(4, _checkpointed_grads):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)

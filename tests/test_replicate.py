@@ -40,3 +40,17 @@ def test_bucket_plan_walks_parameters_backwards_and_splits_on_cap_and_dtype():
     assert plan_buckets([40, 4, 40, 4], ["f32"] * 4, cap_bytes=50) == [(3, 2, 1), (0,)]
     assert plan_buckets([8, 100, 8], ["f32"] * 3, cap_bytes=50) == [(2,), (1,), (0,)]  # too big: alone
     assert plan_buckets([4, 4, 4], ["f32", "bf16", "bf16"], cap_bytes=50) == [(2, 1), (0,)]
+
+
+def _replicate_twice():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    replicate(replicate(_model(), mesh=mesh), mesh=mesh)
+
+
+def _replicate_on_2d_mesh():
+    replicate(_model(), mesh=sw.init_device_mesh("cpu", (2, 2)))
+
+
+def test_replicate_bad_input_raises_on_every_rank(dist):
+    dist.run_expect_error(4, _replicate_twice, match=r"replicate\(Net\): the module is already managed")
+    dist.run_expect_error(4, _replicate_on_2d_mesh, match=r"replicate\(Net\): replicate needs a 1-D data-parallel mesh")

@@ -5,8 +5,10 @@ Timeline of one group (a fully_shard'ed module) in a training step::
     pre-forward   all_gather (unshard), register gathered params on the module
     post-forward  register sharded params again; free the gathered storage
                   (reshard_after_forward); hook the outputs for backward
-    pre-backward  (first gradient of an output) all_gather again into the same storage
-    post-backward (every gradient accumulated) reduce_scatter into param.grad, free storage
+    pre-backward  (first gradient of an output) all_gather again into the same storage,
+                  register gathered params (activation checkpointing recomputes forward)
+    post-backward (every gradient accumulated) reduce_scatter into param.grad, register
+                  sharded params, free storage
 
 The outermost fully_shard'ed module that runs forward becomes the root: the first hook of a
 backward pass queues the root's end-of-backward callback, which reduces any group whose
@@ -94,8 +96,10 @@ class FSDPState:
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self) -> None:
+        # Registered too: activation checkpointing re-runs forward code during backward.
         self._root()._queue_callback()
         self.group.unshard()
+        self.group.use_unsharded()
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         self._root()._queue_callback()
@@ -105,6 +109,7 @@ class FSDPState:
 
     def _reduce(self) -> None:
         self.group.reduce_grads()
+        self.group.use_sharded()
         self.group.reshard()
         self._grads_ready = 0
         self._pending_reduce = False
@@ -123,6 +128,7 @@ class FSDPState:
         for state in self.subtree or [self]:
             if state._pending_reduce:
                 state._reduce()
+            state.group.use_sharded()
             state.group.reshard()
             state._grads_ready = 0
 
