@@ -7,6 +7,9 @@ purpose: hidden size 7 and output size 3 over 4 ranks leave short and EMPTY shar
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -356,9 +359,12 @@ def _peak_memory(reshard_after_forward: bool):
     shard_round = sum((ceil_rows(p) - p.shape[0] / 4) * row_bytes(p) for p in model.parameters())
     block_round = max(sum((4 * ceil_rows(p) - p.shape[0]) * row_bytes(p) for p in b.parameters()) for b in model.layers)
     pad = shard_round + block_round
+    originals = [weakref.ref(p) for p in model.parameters()]
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    gc.collect()
+    assert all(ref() is None for ref in originals), "fully_shard keeps whole parameters alive"
     sharded = sum(p._local_tensor.untyped_storage().nbytes() for p in model.parameters())
     states = [state_of(m) for m in model.modules() if state_of(m) is not None]
     checks = []

@@ -50,6 +50,7 @@ class FSDPParam:
         self._nbytes = self._local.untyped_storage().nbytes()
         self._local.untyped_storage().resize_(0)
         self.is_allocated = False
+        owners.param = self.sharded  # drop the whole original tensor: only the shard stays alive
 
     # ------------------------------------------------------------------ construction
     def _make_sharded(self, param: nn.Parameter, block: torch.Tensor, dp: DataParallelMesh) -> nn.Parameter:
@@ -128,11 +129,13 @@ class FSDPParam:
 
     def accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
         """Add a reduced shard gradient into ``sharded.grad`` (a DTensor laid out like the parameter)."""
-        shard = shard.to(self.sharded.dtype)
         grad = self.sharded.grad
         if grad is None:
-            self.sharded.grad = DTensor(shard.clone(), self.sharded._spec, requires_grad=False)
-        elif isinstance(grad, DTensor) and grad._spec == self.sharded._spec:
+            own = shard.to(self.sharded.dtype, copy=True)  # its own storage, not a view of the flat buffer
+            self.sharded.grad = DTensor(own, self.sharded._spec, requires_grad=False)
+            return
+        shard = shard.to(self.sharded.dtype)
+        if isinstance(grad, DTensor) and grad._spec == self.sharded._spec:
             grad._local_tensor.add_(shard)
         else:
             with torch.no_grad():

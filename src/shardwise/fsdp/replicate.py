@@ -41,6 +41,7 @@ class ReplicatedParam:
         self.replicated = nn.Parameter(dt, requires_grad=param.requires_grad)
         setattr(self.replicated, MANAGED_ATTR, True)
         self.local = nn.Parameter(self.replicated._local_tensor, requires_grad=param.requires_grad)
+        owners.param = self.replicated  # drop the original tensor
 
     def use_local(self) -> None:
         if self.local.data_ptr() != self.replicated._local_tensor.data_ptr():
