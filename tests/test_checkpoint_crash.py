@@ -89,7 +89,7 @@ def _run_scenario(workdir: str, scenario: dict) -> None:
 
 def _kill_after_first_commit(pids: list[int], progress: str, delay: float) -> None:
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (os.path.exists(progress) and open(progress).read().strip()):
+    while time.monotonic() < deadline and _committed(progress) == 0:
         time.sleep(0.005)
     time.sleep(delay)
     for pid in pids:
@@ -140,7 +140,11 @@ def _identical(state: dict, version: int) -> bool:
 
 
 def _committed(progress: str) -> int:
-    lines = open(progress).read().split() if os.path.exists(progress) else []
+    """The last version rank 0 saw committed (0: none yet)."""
+    if not os.path.exists(progress):
+        return 0
+    with open(progress) as f:
+        lines = f.read().split()
     return int(lines[-1]) if lines else 0
 
 

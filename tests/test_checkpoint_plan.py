@@ -203,3 +203,24 @@ def test_save_refuses_to_replace_what_is_not_a_checkpoint(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"not a checkpoint; refusing to replace it"):
         ckpt.save(_state(1), str(tmp_path / "data"))
     assert (tmp_path / "data" / "precious.txt").read_text() == "keep me"
+
+
+def test_an_outside_reader_rebuilds_tensors_from_the_documented_format(tmp_path):
+    """json + safetensors + zlib only, following the package docstring."""
+    import zlib
+
+    from safetensors import safe_open
+
+    path = tmp_path / "ckpt"
+    ckpt.save(_state(5), str(path), max_chunk_bytes=24)
+    meta = json.loads((path / "metadata.json").read_text())
+    assert meta["format"] == "shardwise-checkpoint" and meta["version"] == 1 and meta["values"]["step"] == 5
+    for key, entry in meta["tensors"].items():
+        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "I64": torch.int64}[entry["dtype"]]
+        whole = torch.empty(entry["shape"], dtype=dtype)
+        for c in entry["chunks"]:
+            with safe_open(str(path / c["file"]), "pt") as f:
+                data = f.get_tensor(c["key"])
+            assert zlib.crc32(data.reshape(-1).view(torch.uint8).numpy().tobytes()) == c["crc32"]
+            whole[tuple(slice(o, o + s) for o, s in zip(c["offsets"], c["sizes"]))] = data
+        assert torch.equal(whole, _state(5)["model"][key.removeprefix("model.")]), key

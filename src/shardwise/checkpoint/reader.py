@@ -5,11 +5,11 @@ which block each rank needs, whatever layout the checkpoint was saved from. Step
 
 1. match the target against the metadata (missing key, tensor vs value, shape, dtype); every
    problem is collected into one message;
-2. read each target block into a temporary buffer from the chunks that overlap it, verifying
-   each chunk's crc32;
+2. read the chunks that overlap each target block into temporary tensors, verifying each
+   chunk's crc32;
 3. all ranks agree on success (one exchange of error messages): on any failure every rank
    raises the same error and no target tensor or value has been touched;
-4. copy the buffers into the targets' local tensors and write back the scalar values.
+4. copy the verified pieces into the targets' local tensors and write back the scalar values.
 
 Keys of the checkpoint absent from the target are ignored, so a subset (the model alone out
 of model + optimizer) loads. Without a process group, plain-tensor targets load in one process.
@@ -35,6 +35,7 @@ from shardwise.spec import local_shape_and_offset
 __all__ = ["load"]
 
 _MAX_LISTED = 5
+Pieces = list[tuple[tuple[slice, ...], torch.Tensor]]  # (where in the local block, verified data)
 
 
 @dataclass(frozen=True)
@@ -71,20 +72,20 @@ def load(state_dict: dict, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     leaves = flatten(state_dict)
     world = current_world()
-    buffers: dict[str, torch.Tensor] = {}
+    pieces: dict[str, Pieces] = {}
     targets: list[_Target] = []
     values: dict[str, Any] = {}
     error = None
     try:
         source = open_source(path)
         targets, values = _match(leaves, source)
-        buffers = _read(source, targets)
+        pieces = _read(source, targets)
     except CheckpointError as err:
         error = str(err)
-    except OSError as err:
-        error = f"reading checkpoint {path} failed: {err}"
+    except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+        error = f"loading checkpoint {path} failed: {type(err).__name__}: {err}"
     world.agree(error)
-    _apply(state_dict, targets, buffers, values)
+    _apply(state_dict, targets, pieces, values)
 
 
 def _match(leaves: Mapping[str, Any], source: Source) -> tuple[list[_Target], dict[str, Any]]:
@@ -147,35 +148,29 @@ def _target_block(key: str, tensor: torch.Tensor) -> tuple[Block, torch.Tensor]:
     return Block(tuple(offsets), tuple(sizes)), tensor._local_tensor
 
 
-def _read(source: Source, targets: list[_Target]) -> dict[str, torch.Tensor]:
-    """Each target block read into a temporary buffer (checksums verified)."""
-    buffers = {}
+def _read(source: Source, targets: list[_Target]) -> dict[str, Pieces]:
+    """Each target block read into temporary pieces (checksums verified), not yet copied."""
+    pieces = {}
     with ChunkReader(source) as reader:
         for t in targets:
-            buffers[t.key] = _read_block(reader, t)
-    return buffers
+            pieces[t.key] = _read_block(reader, t)
+    return pieces
 
 
-def _read_block(reader: ChunkReader, t: _Target) -> torch.Tensor:
-    dtype = t.local.dtype
+def _read_block(reader: ChunkReader, t: _Target) -> Pieces:
     if t.block.numel == 0:
-        return torch.empty(t.block.sizes, dtype=dtype)
+        return []
     try:
         reads = read_plan(t.block, t.entry.chunks)
     except CheckpointError as err:
         raise CheckpointError(f"key {t.key!r}: {err}") from None
-    if len(reads) == 1 and reads[0].part == t.block:
-        return reader.read(t.key, t.entry, reads[0].chunk, t.block)  # one chunk is the block
-    buffer = torch.empty(t.block.sizes, dtype=dtype)
-    for r in reads:
-        buffer[r.part.slices_in(t.block)] = reader.read(t.key, t.entry, r.chunk, r.part)
-    return buffer
+    return [(r.part.slices_in(t.block), reader.read(t.key, t.entry, r.chunk, r.part)) for r in reads]
 
 
-def _apply(state_dict: dict, targets: list[_Target], buffers: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
-    """Copy the verified buffers into the targets and write back the values (cannot fail)."""
+def _apply(state_dict: dict, targets: list[_Target], pieces: dict[str, Pieces], values: dict[str, Any]) -> None:
+    """Copy the verified pieces into the targets and write back the values (cannot fail)."""
     with torch.no_grad():
         for t in targets:
-            if t.block.numel:
-                t.local.copy_(buffers[t.key])
+            for where, data in pieces[t.key]:
+                t.local[where].copy_(data)
     replace_values(state_dict, lambda key, old: values.get(key, old) if not isinstance(old, torch.Tensor) else old)

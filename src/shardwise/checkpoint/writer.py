@@ -116,8 +116,8 @@ def _guarded(fn) -> Any:
         fn()
     except CheckpointError as err:
         return str(err)
-    except OSError as err:
-        return f"checkpoint I/O failed: {err}"
+    except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+        return f"saving the checkpoint failed: {type(err).__name__}: {err}"
     return None
 
 
@@ -129,8 +129,8 @@ def _prepare(world: World, path: str, local: _LocalState) -> tuple[str, list, li
             token = commit_.prepare(path)
         except CheckpointError as err:
             error = str(err)
-        except OSError as err:
-            error = f"cannot prepare {path} for saving: {err}"
+        except Exception as err:  # noqa: BLE001
+            error = f"cannot prepare {path} for saving: {type(err).__name__}: {err}"
     gathered = world.exchange((token, error, local.declared, local.proposals))
     if gathered[0][1] is not None:
         raise CheckpointError(gathered[0][1])
