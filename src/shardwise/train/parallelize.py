@@ -17,6 +17,7 @@ from the weights of the single-device run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint
@@ -24,7 +25,45 @@ from torch import nn
 
 from shardwise.parallel.parallel_dims import ParallelDims
 
-__all__ = ["ParallelOptions", "parallelize_llama", "tp_plans", "apply_tp", "apply_ac", "apply_fsdp", "apply_ddp"]
+__all__ = ["ParallelAPI", "shardwise_api", "ParallelOptions", "parallelize_llama", "tp_plans", "apply_tp",
+           "apply_ac", "apply_fsdp", "apply_ddp"]
+
+
+@dataclass(frozen=True)
+class ParallelAPI:
+    """The functions and styles the plans are built from: shardwise's (``shardwise_api()``).
+
+    torch's own have the same names and signatures, so a benchmark can pass torch's and get the
+    very same plan applied by torch (this module never imports them itself).
+    """
+
+    parallelize_module: Callable
+    ColwiseParallel: type
+    RowwiseParallel: type
+    SequenceParallel: type
+    PrepareModuleInput: type
+    Shard: type
+    Replicate: type
+    fully_shard: Callable
+    MixedPrecisionPolicy: type
+    loss_parallel: Callable
+    replicate: Callable | None = None
+
+    @classmethod
+    def from_namespaces(cls, parallel: Any, placements: Any, fsdp: Any, replicate: Callable | None) -> "ParallelAPI":
+        """Collect the names from a parallel-styles module, a placements module and an FSDP module."""
+        return cls(parallel.parallelize_module, parallel.ColwiseParallel, parallel.RowwiseParallel,
+                   parallel.SequenceParallel, parallel.PrepareModuleInput, placements.Shard, placements.Replicate,
+                   fsdp.fully_shard, fsdp.MixedPrecisionPolicy, parallel.loss_parallel, replicate)
+
+
+def shardwise_api() -> ParallelAPI:
+    """shardwise's parallel APIs (imported on first use)."""
+    import shardwise.fsdp as fsdp
+    import shardwise.parallel as parallel
+    import shardwise.placement as placements
+
+    return ParallelAPI.from_namespaces(parallel, placements, fsdp, getattr(fsdp, "replicate", None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,27 +76,36 @@ class ParallelOptions:
     mixed_precision: bool = False
 
 
-def parallelize_llama(model: nn.Module, dims: ParallelDims, world_mesh, options: ParallelOptions) -> nn.Module:
+def parallelize_llama(model: nn.Module, dims: ParallelDims, world_mesh, options: ParallelOptions,
+                      api: ParallelAPI | None = None) -> nn.Module:
     """Apply TP/SP, then activation checkpointing, then FSDP/HSDP or DDP, in place.
 
     Args:
         model: a ``Transformer``, initialized, on its device.
         dims: the job's degrees.
-        world_mesh: ``dims.build_mesh(...)`` (None when the world is one rank).
+        world_mesh: ``dims.build_mesh(...)`` (None when the world is one rank); a mesh with the
+            same axis names from ``api``'s library.
         options: sequence/loss parallel, checkpointing, mixed precision.
+        api: whose parallel APIs apply the plan (default shardwise's).
 
     Returns:
         The same module, parallelized.
+
+    Example:
+        >>> dims = ParallelDims(dp_shard=2, tp=2, world_size=4)
+        >>> parallelize_llama(Transformer(args), dims, dims.build_mesh(), ParallelOptions(sequence_parallel=True))
     """
+    needs_api = dims.tp_enabled or dims.dp_enabled
+    api = api or (shardwise_api() if needs_api else None)
     if dims.tp_enabled:
-        apply_tp(model, world_mesh["tp"], options.sequence_parallel, options.loss_parallel)
+        apply_tp(model, world_mesh["tp"], options.sequence_parallel, options.loss_parallel, api)
     if options.activation_checkpointing:
         apply_ac(model)
     if dims.dp_shard_enabled:
         axes = ("dp_replicate", "dp_shard") if dims.dp_replicate_enabled else "dp_shard"
-        apply_fsdp(model, world_mesh[axes], options.mixed_precision)
+        apply_fsdp(model, world_mesh[axes], options.mixed_precision, api)
     elif dims.dp_replicate_enabled:
-        apply_ddp(model, world_mesh["dp_replicate"])
+        apply_ddp(model, world_mesh["dp_replicate"], api)
     return model
 
 
@@ -67,7 +115,7 @@ def fsdp_applies_mixed_precision(dims: ParallelDims) -> bool:
 
 
 # ---------------------------------------------------------------------- tensor parallelism
-def tp_plans(sequence_parallel: bool, loss_parallel: bool) -> tuple[dict, dict]:
+def tp_plans(sequence_parallel: bool, loss_parallel: bool, api: ParallelAPI | None = None) -> tuple[dict, dict]:
     """(root plan, per-block plan) for tensor parallelism, keyed by module path.
 
     Linear layers pair up Megatron-style: ``wq/wk/wv`` and ``w1/w3`` are column-sharded (each
@@ -77,9 +125,9 @@ def tp_plans(sequence_parallel: bool, loss_parallel: bool) -> tuple[dict, dict]:
     reduce-scatter and the block input an all-gather. With loss parallelism the output layer
     keeps logits sharded over the vocabulary (dim -1) for the loss.
     """
-    from shardwise.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-    from shardwise.placement import Replicate, Shard
-
+    api = api or shardwise_api()
+    ColwiseParallel, RowwiseParallel, SequenceParallel = api.ColwiseParallel, api.RowwiseParallel, api.SequenceParallel
+    PrepareModuleInput, Replicate, Shard = api.PrepareModuleInput, api.Replicate, api.Shard
     between = Shard(1) if sequence_parallel else Replicate()  # residual-stream layout
     root = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
@@ -109,14 +157,14 @@ def tp_plans(sequence_parallel: bool, loss_parallel: bool) -> tuple[dict, dict]:
     return root, block
 
 
-def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool,
+             api: ParallelAPI | None = None) -> None:
     """Shard the model over the 1-D ``tp_mesh`` with ``tp_plans``."""
-    from shardwise.parallel import parallelize_module
-
-    root, block = tp_plans(sequence_parallel, loss_parallel)
-    parallelize_module(model, tp_mesh, root)
+    api = api or shardwise_api()
+    root, block = tp_plans(sequence_parallel, loss_parallel, api)
+    api.parallelize_module(model, tp_mesh, root)
     for layer in model.layers.values():
-        parallelize_module(layer, tp_mesh, block)
+        api.parallelize_module(layer, tp_mesh, block)
 
 
 # ---------------------------------------------------------------------- activation checkpointing
@@ -148,15 +196,15 @@ def apply_ac(model: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------- data parallelism
-def apply_fsdp(model: nn.Module, dp_mesh, mixed_precision: bool) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh, mixed_precision: bool, api: ParallelAPI | None = None) -> None:
     """Shard parameters over ``dp_mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP).
 
     Each block is its own unit (its parameters are gathered just before it runs and freed
     after); the root unit holds the embedding, final norm and output. The last block keeps its
     parameters after forward, since backward needs them first.
     """
-    from shardwise.fsdp import MixedPrecisionPolicy, fully_shard
-
+    api = api or shardwise_api()
+    fully_shard, MixedPrecisionPolicy = api.fully_shard, api.MixedPrecisionPolicy
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed_precision else MixedPrecisionPolicy())
     blocks = list(model.layers.values())
@@ -165,8 +213,9 @@ def apply_fsdp(model: nn.Module, dp_mesh, mixed_precision: bool) -> None:
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
-def apply_ddp(model: nn.Module, dp_mesh) -> None:
+def apply_ddp(model: nn.Module, dp_mesh, api: ParallelAPI | None = None) -> None:
     """Replicate the model over ``dp_mesh``; gradients are averaged over it after backward."""
-    from shardwise.fsdp import replicate
-
-    replicate(model, mesh=dp_mesh)
+    api = api or shardwise_api()
+    if api.replicate is None:
+        raise NotImplementedError("this parallel API has no replicate(): use --dp-shard for data parallelism")
+    api.replicate(model, mesh=dp_mesh)

@@ -1,0 +1,344 @@
+#!/usr/bin/env python
+"""Training-step benchmark: the trainer's model and plans applied by shardwise and by torch, in one run.
+
+    python benchmarks/train_step.py              # debug config (3.3M params), 4 CPU ranks
+    python benchmarks/train_step.py --quick      # tiny config, fewer steps (smoke check)
+    python benchmarks/train_step.py --modes fsdp,tp --reps 12 --seq-len 256
+
+The script starts 4 local gloo workers itself; under torchrun it just runs. For every mode it
+builds ``shardwise.train``'s ``Transformer`` from the same seed twice and parallelizes it with
+the same ``parallelize_llama`` plans, once through shardwise's APIs and once through torch's
+(``torch.distributed.tensor.parallel.parallelize_module`` and its styles,
+``torch.distributed.fsdp.fully_shard``, torch's ``loss_parallel``):
+
+    fsdp       dp_shard=4                   FSDP, one unit per block plus the root
+    tp         tp=4                         Megatron-style column/row pairs
+    fsdp_tp    dp_shard=2 x tp=2            FSDP over the TP-sharded parameters
+    tp_sp_lp   tp=4 + sequence parallel + loss parallel
+
+Reported per mode:
+
+* median step time (forward, loss, backward, AdamW step), each repetition timed from a barrier
+  and taken on the slowest rank; shardwise and torch repetitions alternate (and alternate which
+  goes first) so that load changes on the machine hit both alike; ratio shardwise/torch;
+* peak memory per rank: the rise of the process's peak resident set size (VmHWM, reset through
+  /proc/self/clear_refs after freeing the previous model) while the library builds the model
+  and runs two steps, measured for each library separately, after one untimed step of each
+  (so imports and first-use caches are not counted);
+* agreement: the largest relative difference between the two libraries' losses at the same
+  step (same weights, same data); above 1e-4 the mode is marked WRONG and the run exits 3.
+
+"single" is the unparallelized model on rank 0 with the whole global batch (the other ranks
+wait), for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from shardwise.launch import main_or_launch
+
+NPROC = 4
+EXIT_WRONG = 3
+AGREE_RTOL = 1e-4
+MODES = {
+    "fsdp": ({"dp_shard": 4}, {}),
+    "tp": ({"tp": 4, "dp_shard": 1}, {}),
+    "fsdp_tp": ({"dp_shard": 2, "tp": 2}, {}),
+    "tp_sp_lp": ({"tp": 4, "dp_shard": 1}, {"sequence_parallel": True, "loss_parallel": True}),
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=None, help="model shapes (default debug; --quick tiny)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, among {', '.join(MODES)}")
+    p.add_argument("--reps", type=int, default=None, help="timed steps per library and mode (default 8; --quick 3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per library and mode first")
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=None, help="default 128 (--quick 32)")
+    p.add_argument("--quick", action="store_true", help="tiny config, short sequences, 3 reps")
+    args = p.parse_args(argv)
+    args.config = args.config or ("tiny" if args.quick else "debug")
+    args.reps = args.reps or (3 if args.quick else 8)
+    args.seq_len = args.seq_len or (32 if args.quick else 128)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+    from shardwise.train.config import CONFIGS
+
+    if args.config not in CONFIGS:
+        p.error(f"unknown config {args.config!r}; known: {', '.join(CONFIGS)}")
+    if args.global_batch % 4:
+        p.error("--global-batch must be divisible by 4 (the fsdp mode's data-parallel degree)")
+    return args
+
+
+# ====================================================================== memory
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def _release_memory() -> None:
+    """Free unreachable objects and hand freed heap pages back to the OS."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class PeakRSS:
+    """Peak resident memory while the block runs, above the resident memory at its start (bytes)."""
+
+    def __enter__(self) -> "PeakRSS":
+        _release_memory()
+        self.supported = True
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+        except OSError:
+            self.supported = False
+        self.start = _status_kib("VmRSS")
+        self.peak = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.peak = (_status_kib("VmHWM") - self.start) * 1024 if self.supported else -1
+
+
+# ====================================================================== one library's job
+def torch_api():
+    import torch.distributed.fsdp as fsdp
+    import torch.distributed.tensor as placements
+    import torch.distributed.tensor.parallel as parallel
+
+    from shardwise.train.parallelize import ParallelAPI
+
+    return ParallelAPI.from_namespaces(parallel, placements, fsdp, None)
+
+
+def torch_mesh(dims):
+    """torch's DeviceMesh with the same axes as ``dims.build_mesh()``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    axes = dims.mesh_axes()
+    mesh = init_device_mesh("cpu", [n for _, n in axes], mesh_dim_names=tuple(a for a, _ in axes))
+    return mesh
+
+
+@dataclass
+class Job:
+    """One library's parallelized model, optimizer and step function for a mode."""
+
+    lib: str
+    model: object
+    optimizer: object
+    loss_ctx: object
+    data: object
+    losses: list = field(default_factory=list)
+    times: list = field(default_factory=list)
+
+    def step(self, i: int):
+        from shardwise.train.trainer import loss_fn
+
+        inputs, labels = self.data.batch_at(i)
+        with self.loss_ctx():
+            loss = loss_fn(self.model(inputs), labels)
+            loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def record_loss(self, loss) -> None:
+        value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        self.losses.append(float(value))
+
+
+def build_job(lib: str, mode: str, args, meshes: dict, data) -> Job:
+    import torch
+
+    from shardwise.train.config import get_model_args
+    from shardwise.train.model import Transformer
+    from shardwise.train.parallelize import ParallelOptions, parallelize_llama, shardwise_api
+
+    dim_kwargs, opt_kwargs = MODES[mode]
+    dims, sw_mesh, t_mesh = meshes[mode]
+    api = shardwise_api() if lib == "shardwise" else torch_api()
+    torch.manual_seed(0)
+    model = Transformer(get_model_args(args.config))
+    options = ParallelOptions(**opt_kwargs)
+    parallelize_llama(model, dims, sw_mesh if lib == "shardwise" else t_mesh, options, api)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ctx = api.loss_parallel if options.loss_parallel else contextlib.nullcontext
+    return Job(lib, model, optimizer, ctx, data)
+
+
+# ====================================================================== the worker
+class Bench:
+    def __init__(self, args) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.args, self.torch, self.dist = args, torch, dist
+        self.rank = dist.get_rank()
+        self.rows: list[dict] = []
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def slowest(self, values: list[float]) -> list[float]:
+        t = self.torch.tensor(values, dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def per_rank(self, value: int) -> list[int]:
+        out = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(out, value)
+        return out
+
+    def meshes(self) -> dict:
+        from shardwise.parallel import ParallelDims
+
+        out = {}
+        for mode in self.args.modes:
+            dims = ParallelDims(world_size=NPROC, **MODES[mode][0])
+            out[mode] = (dims, dims.build_mesh("cpu"), torch_mesh(dims))
+        return out
+
+    def data_for(self, dims, sw_mesh):
+        from shardwise.train.data import BatchSource, load_corpus
+
+        dp_rank = sw_mesh["dp"].get_local_rank() if dims.dp_enabled else 0
+        return BatchSource(load_corpus(), self.args.global_batch, self.args.seq_len, 0, dims.dp_degree, dp_rank)
+
+    def run_single(self) -> None:
+        """The plain model on rank 0 with the whole batch, the others waiting."""
+        from shardwise.train.config import get_model_args
+        from shardwise.train.data import BatchSource, load_corpus
+        from shardwise.train.model import Transformer
+
+        times = []
+        if self.rank == 0:
+            self.torch.manual_seed(0)
+            model = Transformer(get_model_args(self.args.config))
+            job = Job("single", model, self.torch.optim.AdamW(model.parameters(), lr=1e-3),
+                      contextlib.nullcontext,
+                      BatchSource(load_corpus(), self.args.global_batch, self.args.seq_len, 0))
+            for i in range(self.args.warmup + self.args.reps):
+                t0 = time.perf_counter()
+                job.step(i)
+                if i >= self.args.warmup:
+                    times.append(time.perf_counter() - t0)
+            del job, model
+        self.dist.barrier()
+        _release_memory()
+        median = self.torch.tensor([statistics.median(times) if times else 0.0], dtype=self.torch.float64)
+        self.dist.broadcast(median, src=0)
+        self.rows.append({"mode": "single", "sw": float(median), "torch": float("nan")})
+
+    def measure_memory(self, mode: str, meshes: dict, data) -> dict[str, list[int]]:
+        """Peak RSS rise per library; a first untimed pass keeps one-off costs (imports, caches) out."""
+        for lib in ("shardwise", "torch"):
+            build_job(lib, mode, self.args, meshes, data).step(0)
+        out = {}
+        for lib in ("shardwise", "torch"):
+            self.dist.barrier()
+            with PeakRSS() as peak:
+                job = build_job(lib, mode, self.args, meshes, data)
+                for i in range(2):
+                    job.step(i)
+                del job
+            out[lib] = self.per_rank(peak.peak)
+        _release_memory()
+        return out
+
+    def measure_time(self, mode: str, meshes: dict, data) -> tuple[dict, float]:
+        jobs = [build_job(lib, mode, self.args, meshes, data) for lib in ("shardwise", "torch")]
+        for i in range(self.args.warmup + self.args.reps):
+            for job in (jobs if i % 2 == 0 else jobs[::-1]):
+                self.dist.barrier()
+                t0 = time.perf_counter()
+                loss = job.step(i)
+                elapsed = time.perf_counter() - t0
+                if i >= self.args.warmup:
+                    job.times.append(elapsed)
+                job.record_loss(loss)
+        sw, th = jobs
+        medians = {j.lib: statistics.median(self.slowest(j.times)) for j in jobs}
+        diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(sw.losses, th.losses))
+        return medians, self.slowest([diff])[0]
+
+    def run(self) -> int:
+        from shardwise.train.config import get_model_args
+
+        a = self.args
+        params = get_model_args(a.config).num_params()
+        self.say(f"train step: config {a.config!r} ({params / 1e6:.2f}M params), {NPROC} ranks (gloo, CPU), "
+                 f"global batch {a.global_batch} x {a.seq_len} tokens, {a.warmup} warm-up + {a.reps} timed steps "
+                 f"per library and mode")
+        meshes = self.meshes()
+        self.run_single()
+        for mode in a.modes:
+            data = self.data_for(*meshes[mode][:2])
+            memory = self.measure_memory(mode, meshes, data)
+            medians, diff = self.measure_time(mode, meshes, data)
+            self.rows.append({"mode": mode, "sw": medians["shardwise"], "torch": medians["torch"],
+                              "mem_sw": memory["shardwise"], "mem_torch": memory["torch"], "diff": diff})
+            _release_memory()
+            self.say(f"  measured {mode}")
+        return self.report()
+
+    def report(self) -> int:
+        wrong = [r["mode"] for r in self.rows if r.get("diff", 0.0) > AGREE_RTOL]
+        if self.rank != 0:
+            return EXIT_WRONG if wrong else 0
+        mib = lambda xs: "/".join(f"{x / 2**20:.0f}" for x in xs)  # noqa: E731
+        head = (f"{'mode':<10} {'shardwise s':>11} {'torch s':>8} {'sw/torch':>8}   "
+                f"{'peak MiB/rank shardwise':>24} {'peak MiB/rank torch':>20}   loss rel diff")
+        print("\n" + head + "\n" + "-" * len(head))
+        for r in self.rows:
+            if r["mode"] == "single":
+                print(f"{'single':<10} {r['sw']:>11.3f} {'':>8} {'':>8}   (1 process, whole batch, no parallelism)")
+                continue
+            ratio = r["sw"] / r["torch"]
+            note = "  !! WRONG" if r["diff"] > AGREE_RTOL else ""
+            print(f"{r['mode']:<10} {r['sw']:>11.3f} {r['torch']:>8.3f} {ratio:>8.2f}   "
+                  f"{mib(r['mem_sw']):>24} {mib(r['mem_torch']):>20}   {r['diff']:.1e}{note}")
+        ratios = [r["sw"] / r["torch"] for r in self.rows if r["mode"] != "single"]
+        if ratios:
+            print(f"shardwise/torch step time: worst {max(ratios):.2f}, best {min(ratios):.2f}")
+        print("peak MiB/rank: rise of the process's peak RSS while building the model and running 2 steps")
+        for mode in wrong:
+            print(f"!! WRONG: {mode}: shardwise and torch losses differ by more than {AGREE_RTOL:g}")
+        return EXIT_WRONG if wrong else 0
+
+
+def worker() -> int:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    args = parse_args(sys.argv[1:])
+    dist.init_process_group("gloo")
+    try:
+        return Bench(args).run()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parse_args(sys.argv[1:])  # --help and bad flags answer once, before any worker starts
+    main_or_launch(worker, NPROC, quiet_codes=(EXIT_WRONG,))
