@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -254,17 +255,22 @@ def _tp_partition(name: str, module: nn.Module, mesh) -> None:
         module.weight = nn.Parameter(sw.distribute_tensor(module.weight.data, mesh, [Shard(1)]))
 
 
-def _fsdp_tp_parity():
-    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    tp = mesh["tp"]
+def _fsdp_tp_parity(hsdp: bool):
+    """TP by hand on ``tp``, then fully_shard over ``dp`` (or HSDP over (dp_replicate=1, dp_shard=2))."""
+    if hsdp:
+        mesh = sw.init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dp_mesh, shard_axis = mesh["dp_replicate", "dp_shard"], "dp_shard"
+    else:
+        mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp_mesh, shard_axis = mesh["dp"], "dp"
     model = sw.distribute_module(
         _model(),
-        tp,
+        mesh["tp"],
         partition_fn=_tp_partition,
         input_fn=lambda mod, inputs, m: (DTensor.from_local(inputs[0], m, [Replicate()]),),
         output_fn=lambda mod, out, m: out.redistribute(m, [Replicate()]).to_local(),
     )
-    _shard_model(model, mesh["dp"])
+    _shard_model(model, dp_mesh)
     seen = []
     model.layers[0].up.register_forward_hook(
         lambda mod, args, out: seen.append((type(mod.weight).__name__, mod.weight.device_mesh.mesh_dim_names, mod.weight.placements))
@@ -273,24 +279,27 @@ def _fsdp_tp_parity():
         n: (p.device_mesh.mesh_dim_names, dict(zip(p.device_mesh.mesh_dim_names, p.placements)))
         for n, p in model.named_parameters()
     }
-    dp_rank = mesh.get_local_rank("dp")
+    dp_rank = mesh.get_local_rank(shard_axis)
     x, y = _local_batch(0, dp_rank, 2)
     with CommDebugMode() as comms:
         model(x)
-    gathers = sum(1 for r in comms.records if r.kind == "all_gather" and r.mesh.axis_name(r.axis) == "dp")
+    gathers = sum(1 for r in comms.records if r.kind == "all_gather" and r.mesh.axis_name(r.axis) == shard_axis)
     return _train(model, dp_rank, 2), layouts, seen[0], gathers
 
 
-def test_fsdp_with_tensor_parallel_matches_single_device_training(dist):
-    out = dist.run(4, _fsdp_tp_parity)
-    _check_parity([o[0] for o in out], lambda r: r // 2, 2)  # mesh [[0, 1], [2, 3]]: dp = rank // 2
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp_tp", "hsdp_tp"])
+def test_fsdp_with_tensor_parallel_matches_single_device_training(dist, hsdp):
+    out = dist.run(4, _fsdp_tp_parity, hsdp)
+    _check_parity([o[0] for o in out], lambda r: r // 2, 2)  # tp is the last axis: dp = rank // 2
+    dp = {"dp_replicate": Replicate(), "dp_shard": Shard(0)} if hsdp else {"dp": Shard(0)}
+    names = ("tp", *dp)  # TP cut the global tensor first, FSDP cuts dim 0 of the TP block
     for _, layouts, seen, gathers in out:
-        assert layouts["layers.1.up.weight"] == (("tp", "dp"), {"tp": Shard(0), "dp": Shard(0)})
-        assert layouts["layers.1.up.bias"] == (("tp", "dp"), {"tp": Shard(0), "dp": Shard(0)})
-        assert layouts["layers.1.down.weight"] == (("tp", "dp"), {"tp": Shard(1), "dp": Shard(0)})
-        assert layouts["head.bias"] == (("tp", "dp"), {"tp": Replicate(), "dp": Shard(0)})
+        assert layouts["layers.1.up.weight"] == (names, {"tp": Shard(0), **dp})
+        assert layouts["layers.1.up.bias"] == (names, {"tp": Shard(0), **dp})
+        assert layouts["layers.1.down.weight"] == (names, {"tp": Shard(1), **dp})
+        assert layouts["head.bias"] == (names, {"tp": Replicate(), **dp})
         assert seen == ("DTensor", ("tp",), (Shard(0),))  # forward computes on the TP layout
-        assert gathers == 5  # one all_gather over dp per group
+        assert gathers == 5  # one all_gather over the shard axis per group
 
 
 # ---------------------------------------------------------------------- mixed precision

@@ -83,8 +83,13 @@ class DataParallelMesh:
             return f"has a pending reduction ({inner.render()} on {inner.mesh}); parameters cannot be Partial"
         if not inner.mesh.mesh_dim_names or not self.mesh.mesh_dim_names:
             return f"lives on {inner.mesh}; composing with {self.mesh} needs named sub-meshes of one root mesh"
-        if inner.mesh._root != self.mesh._root:
-            return f"lives on {inner.mesh}, which is not a sub-mesh of the same root mesh as {self.mesh}"
+        unrelated = f"lives on {inner.mesh}, which is not a sub-mesh of the same root mesh as {self.mesh}"
+        try:
+            # By layout, not object identity: equal meshes may come from different root objects.
+            if self.mesh._root[tuple(inner.mesh.mesh_dim_names)] != inner.mesh:
+                return unrelated
+        except KeyError:
+            return unrelated
         if set(inner.mesh.mesh_dim_names) & set(self.mesh.mesh_dim_names):
             return f"lives on {inner.mesh}, which shares axes with the data-parallel mesh {self.mesh}"
         try:
