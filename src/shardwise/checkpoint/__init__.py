@@ -11,6 +11,7 @@
 ``save`` and ``load`` are collective over the default process group, like
 ``torch.distributed.checkpoint``; without one they run in a single process (plain tensors).
 No rank ever gathers a tensor: each writes the blocks it owns and reads the chunks it needs.
+Every rank must see the same directory (one machine, or a shared file system).
 
 Semantics:
 
