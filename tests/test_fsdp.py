@@ -89,12 +89,12 @@ def _local_batch(step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, t
     return x[dp_rank * n : (dp_rank + 1) * n], y[dp_rank * n : (dp_rank + 1) * n]
 
 
-def _train(model, mesh_dp_rank: int, dp_size: int, foreach: bool = True, steps: int = STEPS):
+def _train(model, dp_rank: int, dp_size: int, foreach: bool = True, steps: int = STEPS):
     """Train ``steps`` AdamW steps; returns local losses and full parameters by name."""
     opt = _optimizer(model.parameters(), foreach)
     losses = []
     for step in range(steps):
-        x, y = _local_batch(step, mesh_dp_rank, dp_size)
+        x, y = _local_batch(step, dp_rank, dp_size)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -123,14 +123,17 @@ def _fsdp_parity():
     layouts = {n: (type(p).__name__, isinstance(p, DTensor), p.placements, tuple(p._local_tensor.shape))
                for n, p in model.named_parameters()}
     losses, params = _train(model, mesh.get_local_rank(), 4)
-    return (losses, params), layouts, isinstance(model, FSDPModule)
+    state = {k: (isinstance(v, DTensor), v.placements) for k, v in model.state_dict().items()}
+    return (losses, params), layouts, isinstance(model, FSDPModule), state
 
 
 def test_fsdp_matches_single_device_training(dist):
     out = dist.run(4, _fsdp_parity)
     _check_parity([o[0] for o in out], lambda r: r, 4)
-    for rank, (_, layouts, is_fsdp) in enumerate(out):
-        assert is_fsdp
+    names = [n for n, _ in _model().named_parameters()]
+    for rank, (_, layouts, is_fsdp, state) in enumerate(out):
+        assert is_fsdp and list(state) == names  # state_dict: same keys, sharded DTensors
+        assert set(state.values()) == {(True, (Shard(0),))}
         assert all(is_dt and placements == (Shard(0),) for _, is_dt, placements, _ in layouts.values())
         # bias of 3 rows over 4 ranks: 1, 1, 1, 0 (rank 3 holds an EMPTY shard); 7 rows: 2, 2, 2, 1
         assert layouts["head.bias"][3] == ((1,) if rank < 3 else (0,))
