@@ -18,7 +18,12 @@ from torch import nn
 import shardwise as sw
 from shardwise import DTensor, Replicate, Shard
 from shardwise.debug import CommDebugMode
-from shardwise.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardedMemory, fully_shard
+from shardwise.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    UnshardedMemory,
+    fully_shard,
+)
 
 STEPS = 5
 BATCH = 8
@@ -283,7 +288,7 @@ def _fsdp_tp_parity(hsdp: bool):
         for n, p in model.named_parameters()
     }
     dp_rank = mesh.get_local_rank(shard_axis)
-    x, y = _local_batch(0, dp_rank, 2)
+    x, _ = _local_batch(0, dp_rank, 2)
     with CommDebugMode() as comms:
         model(x)
     gathers = sum(1 for r in comms.records if r.kind == "all_gather" and r.mesh.axis_name(r.axis) == shard_axis)
@@ -366,8 +371,8 @@ def _peak_memory(reshard_after_forward: bool):
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.layers)
     # rounding of uneven shards: a shard has ceil(rows / 4) rows, a gathered block ceil(rows / 4) * 4
-    row_bytes = lambda p: p[0].numel() * p.element_size()  # noqa: E731
-    ceil_rows = lambda p: -(-p.shape[0] // 4)  # noqa: E731
+    row_bytes = lambda p: p[0].numel() * p.element_size()
+    ceil_rows = lambda p: -(-p.shape[0] // 4)
     shard_round = sum((ceil_rows(p) - p.shape[0] / 4) * row_bytes(p) for p in model.parameters())
     block_round = max(sum((4 * ceil_rows(p) - p.shape[0]) * row_bytes(p) for p in b.parameters()) for b in model.layers)
     pad = shard_round + block_round
@@ -390,8 +395,8 @@ def _peak_memory(reshard_after_forward: bool):
     x = torch.randn(4, 17)
     with UnshardedMemory() as mem:
         model(x).square().mean().backward()
-    return dict(sharded=sharded, peak=mem.peak_bytes, staged=mem.peak_bytes_with_staging,
-                total=total, block=block, pad=pad, checks=checks, live_after=live_bytes("unsharded"))
+    return {"sharded": sharded, "peak": mem.peak_bytes, "staged": mem.peak_bytes_with_staging,
+                "total": total, "block": block, "pad": pad, "checks": checks, "live_after": live_bytes("unsharded")}
 
 
 def test_peak_parameter_memory_is_one_shard_plus_one_block(dist):
