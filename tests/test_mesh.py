@@ -121,3 +121,16 @@ def test_flatten_of_non_contiguous_axes_in_any_order(dist):
     # rank 0: pp = 0 -> ranks {0, 1, 4, 5}, walked with cp as the slow axis.
     assert out[0][0] == out[0][1] == [0, 4, 1, 5] and out[0][2] == 10.0
     assert out[3][0] == [2, 6, 3, 7] and out[3][2] == 18.0
+
+
+def _submesh_keeps_its_root():
+    a = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    first = sw.distribute_tensor(torch.randn(4, 4), a["tp"], [sw.Shard(0)]) * 2
+    b = sw.init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("x", "dp", "tp"))
+    second = sw.distribute_tensor(torch.randn(4, 4), b["tp"], [sw.Shard(0)]) * 2  # same op, same layout
+    return first.device_mesh._root is a, second.device_mesh._root is b, a["tp"] == b["tp"]
+
+
+def test_cached_dispatch_keeps_the_submesh_of_its_own_root(dist):
+    """Sub-meshes of different roots are different meshes: a cached spec never swaps them."""
+    assert dist.run(4, _submesh_keeps_its_root) == [(True, True, False)] * 4

@@ -105,7 +105,10 @@ class DeviceMesh:
         if dist.is_initialized():
             _ensure_backend_device(device_type)
             self._groups = self._init_groups(_family if _family is not None else grid)
-        self._key = (device_type, tuple(grid.flatten().tolist()), tuple(grid.shape), names)
+        # A sub-mesh's identity includes its root's: equal-looking sub-meshes of different
+        # roots slice and flatten differently, so cached specs must not swap one for the other.
+        root_key = None if self._root is self else self._root._key
+        self._key = (device_type, tuple(grid.flatten().tolist()), tuple(grid.shape), names, root_key)
         self._hash = hash(self._key)
 
     def _init_groups(self, family: torch.Tensor) -> list[dist.ProcessGroup]:
