@@ -195,7 +195,7 @@ class JobConfig:
         model = self.model_args()
         dims = self.parallel_dims()
         self._check_batch(dims)
-        self._check_tp(model, dims)
+        self._check_layout(model, dims)
         self._check_checkpointing()
         self._check_corpus()
         if self.device not in ("auto", "cpu", "cuda"):
@@ -225,7 +225,7 @@ class JobConfig:
                 f"dp_replicate*dp_shard = {dims.dp_replicate}*{dims.dp_shard} = {dp}"
             )
 
-    def _check_tp(self, model: ModelArgs, dims: ParallelDims) -> None:
+    def _check_layout(self, model: ModelArgs, dims: ParallelDims) -> None:
         tp = dims.tp
         if model.n_heads % tp or model.n_kv_heads % tp:
             raise ConfigError(
@@ -238,6 +238,11 @@ class JobConfig:
             verb = "shard" if len(used) > 1 else "shards"
             raise ConfigError(f"{' and '.join(used)} {verb} over the tensor-parallel axis: "
                               f"use --tp > 1 (got --tp 1)")
+        if tp > 1 and dims.dp_replicate > 1 and dims.dp_shard == 1:
+            raise ConfigError(
+                f"--dp-replicate {dims.dp_replicate} with --tp {tp} needs --dp-shard > 1 (HSDP): replicated data "
+                f"parallelism (DDP) takes plain parameters, not tensor-parallel ones"
+            )
         if self.sequence_parallel and self.seq_len % tp:
             raise ConfigError(f"--seq-len {self.seq_len} is not divisible by --tp {tp} (needed by --sequence-parallel)")
 
