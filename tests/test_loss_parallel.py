@@ -44,7 +44,8 @@ def _sharded(kind: str, mesh_shape, placements, loss_kwargs):
     with CommDebugMode() as comm, loss_parallel():
         loss = _loss(kind, dlogits, labels, **loss_kwargs)
         loss.backward()
-    return loss.full_tensor(), dlogits.grad.full_tensor(), dlogits.grad.placements, comm.get_comm_counts()
+    assert loss.placements == (Replicate(),) * len(mesh_shape)  # readable as torch users read a loss
+    return loss.to_local(), dlogits.grad.full_tensor(), dlogits.grad.placements, comm.get_comm_counts()
 
 
 CASES = [

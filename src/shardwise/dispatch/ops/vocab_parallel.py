@@ -9,9 +9,11 @@ When the logits are sharded on the class (vocabulary) dim, gathering them costs 
   all-reduce of the row sums. These are the true gradients, whatever consumes the output:
   a log_softmax that feeds something other than the loss still gets correct gradients.
 * ``nll_loss``: a rank owning classes [offset, offset + length) picks ``-x[t]`` for the
-  targets in its range and 0 for the others, so the loss is ``Partial(sum)`` over the class
-  axes (exact: every target is owned by exactly one rank). The mean divides by the global
-  total weight (all-reduced over the axes that shard the samples).
+  targets in its range and 0 for the others; summing over the class axes is exact (every
+  target is owned by exactly one rank). The loss is all-reduced right away (one scalar, or
+  one number per sample for ``reduction="none"``) so it comes out replicated, readable with
+  ``.item()`` or ``.to_local()`` as torch users expect; the mean divides by the global total
+  weight.
 * ``nll_loss_backward``: ``-w[t] * g`` written at the owned target positions only.
 
 Other mesh axes may shard the samples (data parallelism on the same logits); the target is
@@ -177,7 +179,7 @@ def _weights(weight: Any, owned: _Owned, like: torch.Tensor) -> torch.Tensor:
 @register_layout_handler(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default,
                          applies=lambda schema: _nll_applies(schema, 0))
 def nll_loss_forward(op: Any, args: tuple, kwargs: dict) -> tuple:
-    """Each rank scores the targets its classes own; the loss is Partial(sum) over the class axes."""
+    """Each rank scores the targets its classes own; the sum over the class axes is all-reduced."""
     x, target, weight, reduction, ignore_index = bind_arguments(op, args, kwargs)
     spec, mesh = x._spec, x._spec.mesh
     c = _class_dim(spec.ndim)
@@ -193,18 +195,17 @@ def nll_loss_forward(op: Any, args: tuple, kwargs: dict) -> tuple:
     losses = torch.where(owned.owned, -picked * w, torch.zeros_like(w))
     total = w.sum()
     sample_axes, class_axes = _sample_axes(placements, c), _class_axes(placements, c)
-    partial_on = set(sample_axes) | set(class_axes)
     total_placements = tuple(Partial() if i in sample_axes else R for i in range(mesh.ndim))
-    if reduction == 0:
-        loss = losses
-        loss_placements = tuple(Partial() if i in class_axes else p for i, p in enumerate(_target_layout(placements, c)))
-    else:
-        loss = losses.sum()
+    if reduction == 0:  # per-sample losses: each one is owned by one rank of the class axes
+        loss = _all_reduce(losses, mesh, class_axes, "sum")
+        loss_placements = _target_layout(placements, c)
+    else:  # reduced to a replicated scalar, as a loss is read (.item(), .to_local(), logging)
+        loss = _all_reduce(losses.sum(), mesh, class_axes + sample_axes, "sum")
         if reduction == MEAN:
             total = _all_reduce(total, mesh, sample_axes, "sum")
             total_placements = (R,) * mesh.ndim
             loss = loss / total
-        loss_placements = tuple(Partial() if i in partial_on else R for i in range(mesh.ndim))
+        loss_placements = (R,) * mesh.ndim
     meta_loss, meta_total = op(_meta(x), _meta(target), _meta(weight), reduction, ignore_index)
     return _wrap(loss, mesh, loss_placements, meta_loss), _wrap(total, mesh, total_placements, meta_total)
 
