@@ -111,7 +111,8 @@ BAD_JOBS = [
     (["--nproc", "4", "--dp-replicate", "2", "--tp", "2"], r"--dp-replicate 2 with --tp 2 needs --dp-shard > 1 \(HSDP\)"),
     (["--config", "gpt5"], r"unknown config 'gpt5'; known configs: " + ", ".join(CONFIGS)),
     (["--loss-parallel"], r"--loss-parallel shards over the tensor-parallel axis: use --tp > 1"),
-    (["--checkpoint-every", "5"], r"--checkpoint-every and --resume need --checkpoint-dir"),
+    (["--checkpoint-every", "5"], r"--checkpoint-every needs --checkpoint-dir"),
+    (["--checkpoint-every", "5", "--resume"], r"--checkpoint-every and --resume need --checkpoint-dir"),
 ]
 
 

@@ -3,11 +3,15 @@
     python -m shardwise.train --config debug --steps 50                  # one process
     python -m shardwise.train --nproc 4 --tp 2 --dp-shard 2 --plot loss.png
     torchrun --nproc-per-node 8 -m shardwise.train --config llama3_8b --tp 8 --mixed-precision
+    python -m shardwise.train --nproc 4 --dp-shard 4 --steps 200 --stop-after 100 --checkpoint-dir ckpt
+    python -m shardwise.train --nproc 4 --tp 2 --dp-shard 2 --steps 200 --checkpoint-dir ckpt --resume
 
 Without a launcher the command starts ``--nproc`` local processes itself (gloo on CPU; nccl
 when --device resolves to cuda); under torchrun it joins the launcher's job. The job is
 validated in the launching process before any worker starts, and again in every worker: a
-bad job prints one ``error:`` line and exits with status 2, without a traceback.
+bad job prints one ``error:`` line and exits with status 2, without a traceback. Checkpoint
+flags are checked there too (``--resume`` needs a committed checkpoint of the same config and
+seed); a checkpoint that then fails to load is refused the same way, by every worker.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
     p.add_argument("--sequence-parallel", action="store_true", help="shard norms/residuals along the sequence (tp)")
     p.add_argument("--loss-parallel", action="store_true", help="loss on vocabulary-sharded logits (tp)")
-    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--steps", type=int, default=d.steps, help="steps of the run; the learning-rate schedule spans them")
+    p.add_argument("--stop-after", type=int, metavar="N", default=None,
+                   help="end this run after step N (a checkpoint is saved there with --checkpoint-dir); the "
+                        "schedule still spans --steps, so --resume later continues the same run exactly")
     p.add_argument("--global-batch", type=int, default=d.global_batch, help="sequences per step, all dp ranks")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
@@ -49,9 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
     p.add_argument("--plot", metavar="FILE", default=None, help="write the loss curve to this PNG")
     p.add_argument("--metrics-file", metavar="FILE", default=None, help="write per-step losses etc. as JSON")
-    p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (not available yet)")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    ckpt = p.add_argument_group("checkpoints", "A checkpoint holds the model, the optimizer (AdamW moments and step "
+                                "counts), the learning-rate schedule, the step, the data position and the seed; it "
+                                "loads into any parallel layout and world size.")
+    ckpt.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                      help="save checkpoints to DIR/step-<N> (atomically): every --checkpoint-every steps and at "
+                           "the end of the run (after --steps, or --stop-after)")
+    ckpt.add_argument("--checkpoint-every", type=int, metavar="K", default=d.checkpoint_every,
+                      help="also save every K steps (K > 0; default: only at the end of the run)")
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the latest committed checkpoint in --checkpoint-dir (highest step-<N> "
+                           "holding metadata.json) in this run's parallel layout and world size; needs the saving "
+                           "run's --config and --seed")
     return p
 
 
@@ -98,9 +114,17 @@ def worker() -> int:
         job = job_from_argv(sys.argv[1:])
     except ConfigError as err:
         return _fail(str(err))
+    return _run(job)
+
+
+def _run(job: JobConfig) -> int:
+    """Train on this rank; a checkpoint this job cannot resume from is a bad job too."""
     from shardwise.train.trainer import run_job
 
-    return run_job(job)
+    try:
+        return run_job(job)
+    except ConfigError as err:
+        return _fail(str(err))
 
 
 def main() -> None:
@@ -113,7 +137,5 @@ def main() -> None:
     except ConfigError as err:
         sys.exit(_fail(str(err)))
     if job.nproc == 1:
-        from shardwise.train.trainer import run_job
-
-        sys.exit(run_job(job))
+        sys.exit(_run(job))
     main_or_launch(worker, job.nproc, quiet_codes=(EXIT_BAD_JOB,), module=PROG)

@@ -18,8 +18,9 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.parallel.parallel_dims import ParallelDims
-from shardwise.train.checkpointing import checkpoint_support_error
+from shardwise.train.checkpointing import ResumePoint, latest_checkpoint
 from shardwise.train.data import corpus_files
 
 __all__ = ["ConfigError", "ModelArgs", "CONFIGS", "get_model_args", "JobConfig"]
@@ -126,7 +127,7 @@ class JobConfig:
         dp_replicate / dp_shard / tp: parallel degrees (dp_shard=-1 takes what is left).
         sequence_parallel: shard norms and residuals along the sequence over the tp axis.
         loss_parallel: compute the loss on vocabulary-sharded logits (no logits all-gather).
-        steps: optimizer steps to run.
+        steps: optimizer steps of the run (the learning-rate schedule spans them).
         global_batch: sequences per step over all data-parallel ranks.
         seq_len: tokens per sequence.
         lr / warmup: peak learning rate and its linear warmup in steps.
@@ -137,7 +138,11 @@ class JobConfig:
         log_every: steps between progress lines.
         plot: write the loss curve to this PNG file.
         metrics_file: write per-step losses and the summary to this JSON file.
-        checkpoint_dir / checkpoint_every / resume: checkpointing (see ``checkpointing.py``).
+        checkpoint_dir: save checkpoints to ``<checkpoint_dir>/step-<N>`` (see ``checkpointing.py``):
+            every ``checkpoint_every`` steps (None: only at the end of the run) and at its end.
+        resume: continue from the latest checkpoint in ``checkpoint_dir`` (any layout).
+        stop_after: end this run after this step (None: after ``steps``); the schedule still
+            spans ``steps``, so a resumed run continues the same schedule.
     """
 
     config: str = "debug"
@@ -160,8 +165,9 @@ class JobConfig:
     plot: str | None = None
     metrics_file: str | None = None
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
+    checkpoint_every: int | None = None
     resume: bool = False
+    stop_after: int | None = None
 
     # ------------------------------------------------------------------ derived values
     def model_args(self) -> ModelArgs:
@@ -176,6 +182,11 @@ class JobConfig:
                                 world_size=self.nproc)
         except ValueError as err:
             raise ConfigError(f"parallel degrees do not fit --nproc {self.nproc}: {err}") from None
+
+    @property
+    def last_step(self) -> int:
+        """The step this run ends after: ``stop_after`` if given, else ``steps``."""
+        return self.steps if self.stop_after is None else min(self.stop_after, self.steps)
 
     def layout(self) -> str:
         """A short name of the layout, e.g. ``dp_shard=2 tp=2 +sp +loss_parallel``."""
@@ -247,13 +258,45 @@ class JobConfig:
             raise ConfigError(f"--seq-len {self.seq_len} is not divisible by --tp {tp} (needed by --sequence-parallel)")
 
     def _check_checkpointing(self) -> None:
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
-            raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
-        unsupported = checkpoint_support_error(self.checkpoint_dir)
-        if unsupported:
-            raise ConfigError(unsupported)
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ConfigError(f"--checkpoint-every must be > 0, got {self.checkpoint_every}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ConfigError(f"--stop-after must be between 1 and --steps {self.steps}, got {self.stop_after}")
+        used = [f for f, on in (("--checkpoint-every", self.checkpoint_every is not None),
+                                ("--resume", self.resume)) if on]
+        if used and not self.checkpoint_dir:
+            raise ConfigError(f"{' and '.join(used)} {'need' if len(used) > 1 else 'needs'} --checkpoint-dir")
+        if not self.checkpoint_dir:
+            return
+        if os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):
+            raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir!r} exists and is not a directory")
+        point = self._latest_checkpoint()
+        if self.resume:
+            self._check_resume(point)
+        elif point is not None:
+            raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir!r} already holds checkpoints (latest "
+                              f"{point.path}): pass --resume to continue that run, or use another directory")
+
+    def _latest_checkpoint(self) -> ResumePoint | None:
+        try:
+            return latest_checkpoint(self.checkpoint_dir)
+        except CheckpointError as err:
+            raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir!r}: {err}") from None
+
+    def _check_resume(self, point: ResumePoint | None) -> None:
+        """A checkpoint to resume from, saved by a run of the same model and data order."""
+        where = f"--resume: --checkpoint-dir {self.checkpoint_dir!r}"
+        if not os.path.isdir(self.checkpoint_dir):
+            raise ConfigError(f"{where} does not exist")
+        if point is None:
+            raise ConfigError(f"{where} holds no checkpoint (no step-<N> directory with metadata.json)")
+        if point.train.get("config") != self.config:
+            raise ConfigError(f"--config {self.config!r} differs from the config {point.train.get('config')!r} "
+                              f"of checkpoint {point.path}")
+        if point.train.get("seed") != self.seed:
+            raise ConfigError(f"--seed {self.seed} differs from the seed {point.train.get('seed')!r} of checkpoint "
+                              f"{point.path}: batches follow the seed, so the data would not continue; "
+                              f"pass --seed {point.train.get('seed')}")
 
     def _check_corpus(self) -> None:
         size = sum(os.path.getsize(p) for p in corpus_files())

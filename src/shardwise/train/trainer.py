@@ -5,9 +5,12 @@ started without a launcher). Steps:
 
 1. ``Runtime``: process group (gloo on CPU, nccl on CUDA) and the world mesh from the degrees.
 2. The model, built whole on every rank from the same seed, then ``parallelize_llama``.
-3. AdamW with linear warmup and cosine decay; the data position is the step counter.
-4. The loop: forward, loss (under ``loss_parallel`` when asked), backward, step; progress every
-   ``log_every`` steps and a summary at the end (rank 0), the loss curve and metrics file.
+3. AdamW with linear warmup and cosine decay over ``--steps``; the data position is the step
+   counter. With ``--resume``, the latest checkpoint's model, optimizer, schedule and step are
+   loaded into this job's layout (``checkpointing.py``).
+4. The loop: forward, loss (under ``loss_parallel`` when asked), backward, step; a checkpoint
+   every ``--checkpoint-every`` steps and after the last one; progress every ``log_every``
+   steps and a summary at the end (rank 0), the loss curve and metrics file.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.launch import under_launcher
 from shardwise.parallel.parallel_dims import ParallelDims
-from shardwise.train.checkpointing import TrainState, make_checkpointer
-from shardwise.train.config import JobConfig
+from shardwise.train.checkpointing import Checkpointer, TrainState, make_checkpointer
+from shardwise.train.config import ConfigError, JobConfig
 from shardwise.train.data import BatchSource, load_corpus
 from shardwise.train.metrics import RunMetrics
 from shardwise.train.model import Transformer
@@ -154,14 +158,14 @@ def train(job: JobConfig, runtime: Runtime) -> RunMetrics:
     model = build_model(job, runtime)
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, job.warmup, job.steps))
-    state = TrainState(model, optimizer, scheduler)
-    checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.resume)
-    first = checkpointer.restore(state)
+    state = TrainState(model, optimizer, scheduler, seed=job.seed, schedule_steps=job.steps, config=job.config)
+    checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.last_step, job.resume)
+    first = _restore(job, runtime, checkpointer, state)
     data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
     metrics = RunMetrics(job.global_batch * job.seq_len, job.steps, runtime.dp_mesh, runtime.flat_mesh,
                          runtime.device, runtime.rank)
     metrics.start()
-    for step in range(first, job.steps):
+    for step in range(first, job.last_step):
         inputs, labels = (t.to(runtime.device) for t in data.batch_at(step))
         with _step_context(job, runtime):
             loss = loss_fn(model(inputs), labels)
@@ -172,9 +176,31 @@ def train(job: JobConfig, runtime: Runtime) -> RunMetrics:
         scheduler.step()
         state.step = step + 1
         checkpointer.after_step(state)
-        if state.step % job.log_every == 0 or state.step == job.steps:
+        if state.step % job.log_every == 0 or state.step == job.last_step:
             metrics.flush(state.step)
     return metrics
+
+
+def _restore(job: JobConfig, runtime: Runtime, checkpointer: Checkpointer, state: TrainState) -> int:
+    """Load the latest checkpoint when resuming; return the first step to run (its data position).
+
+    A checkpoint that cannot be loaded into this job (damaged, another model) is a bad job:
+    ``ConfigError`` on every rank (``load`` fails on all ranks together).
+    """
+    try:
+        first = checkpointer.restore(state)
+    except CheckpointError as err:
+        raise ConfigError(f"--resume: {err}") from None
+    saved = state.resumed_from
+    if saved is not None:
+        _say(runtime, f"resumed from {saved['path']} at step {first}")
+        if saved["steps"] != job.steps:
+            _say(runtime, f"note: the checkpoint was saved by a run of --steps {saved['steps']}; the learning-rate "
+                          f"schedule now spans --steps {job.steps}, so this does not continue either run exactly "
+                          f"(--stop-after ends a run early on its full schedule)")
+        if first >= job.last_step:
+            _say(runtime, f"nothing to train: the run ends at step {job.last_step}")
+    return first
 
 
 def _finish(job: JobConfig, runtime: Runtime, metrics: RunMetrics) -> None:
