@@ -232,3 +232,9 @@ def all_gather_object(obj: object, mesh: DeviceMesh, axis: int) -> list:
     _record("all_gather_object", mesh, axis, 0)
     dist.all_gather_object(out, obj, group=mesh.get_group(axis))
     return out
+
+
+def barrier() -> None:
+    """Wait until every rank of the default group arrives (before tearing the group down, so
+    no rank destroys its connections while a peer is still finishing a collective)."""
+    dist.barrier()

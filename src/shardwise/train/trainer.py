@@ -89,6 +89,9 @@ class Runtime:
 
     def close(self) -> None:
         if self.world_mesh is not None and dist.is_initialized():
+            from shardwise import comm
+
+            comm.barrier()
             dist.destroy_process_group()
 
 
