@@ -155,7 +155,7 @@ def _cache_bounded():
     dispatcher.CACHE_SIZE = 8
     try:
         for k in range(30):
-            x = x * float(k % 20)  # 20 distinct scalar keys
+            x = x * (k % 20)  # 20 distinct int scalar keys
         x.sum(dim=[0, 1]) if False else None
         return dispatcher.cache_info()["size"]
     finally:
@@ -164,6 +164,30 @@ def _cache_bounded():
 
 def test_dispatch_cache_is_bounded(dist):
     assert dist.run(2, _cache_bounded) == [8, 8]
+
+
+def _changing_float_scalars():
+    from shardwise.dispatch import dispatcher
+
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = sw.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    dispatcher.clear_cache()
+    for k in range(10):  # a learning rate that changes every step
+        y = x * (0.1 + k)
+    hits_one_entry = dispatcher.cache_info()["size"] == 1
+    peak = sw.DTensor.from_local(torch.tensor([float(torch.distributed.get_rank())]), mesh, [Partial("max")])
+    flipped = (peak * -2.0).placements, (peak * 3.0).placements, (peak * -2.0).full_tensor()
+    return hits_one_entry, y.full_tensor(), flipped
+
+
+def test_float_scalars_of_pointwise_ops_share_a_cache_entry_by_sign(dist):
+    """Pointwise layouts depend on a float only through its sign: new values reuse the entry,
+    while a negative factor on Partial(max) still becomes Partial(min)."""
+    for one_entry, y, (negative, positive, value) in dist.run(2, _changing_float_scalars):
+        assert one_entry
+        assert torch.equal(y, torch.arange(8.0).reshape(4, 2) * 9.1)
+        assert negative == (Partial("min"),) and positive == (Partial("max"),)
+        assert torch.equal(value, torch.tensor([-2.0]))  # -2 * max(0, 1)
 
 
 torch.library.define("shardwise_test::scale", "(Tensor x, float factor) -> Tensor")

@@ -30,6 +30,7 @@ __all__ = ["dispatch", "render_call", "clear_cache", "cache_info", "implicit_rep
 CACHE_SIZE = 4096
 _CACHE: OrderedDict = OrderedDict()
 _IMPLICIT = [False]
+_SIGN_ONLY = registry.SCALAR_SIGN_ONLY
 _DTensor: type | None = None
 
 
@@ -93,7 +94,9 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on DTensors: see the module docstring."""
     DTensor = _DTensor or _dtensor_cls()
     dtensors: list = []
-    key = (func, _key(args, dtensors, DTensor), _key(kwargs.items(), dtensors, DTensor) if kwargs else (), _IMPLICIT[0])
+    coarse = func in _SIGN_ONLY
+    key = (func, _key(args, dtensors, DTensor, coarse),
+           _key(kwargs.values(), dtensors, DTensor, coarse) + tuple(kwargs) if kwargs else (), _IMPLICIT[0])
     plan = _CACHE.get(key)
     if plan is None:
         plan = _with_positions(_propagate(func, args, kwargs, dtensors), args, kwargs, len(dtensors))
@@ -120,8 +123,9 @@ def _with_positions(plan: OutputPlan, args: tuple, kwargs: dict, count: int) -> 
     return dataclasses.replace(plan, positions=positions)
 
 
-def _key(values, dtensors: list, DTensor: type) -> tuple:
-    """Hashable summary of arguments: specs for DTensors, metadata for plain tensors."""
+def _key(values, dtensors: list, DTensor: type, coarse: bool = False) -> tuple:
+    """Hashable summary of arguments: specs for DTensors, metadata for plain tensors, and
+    values for the rest (with ``coarse``, floats only by ``_float_class``)."""
     out = []
     for value in values:
         if isinstance(value, DTensor):
@@ -130,10 +134,17 @@ def _key(values, dtensors: list, DTensor: type) -> tuple:
         elif isinstance(value, torch.Tensor):
             out.append((value.dtype, value.shape, value.device.type))
         elif isinstance(value, (list, tuple)):
-            out.append(_key(value, dtensors, DTensor))
+            out.append(_key(value, dtensors, DTensor, coarse))
+        elif coarse and type(value) is float:
+            out.append(_float_class(value))
         else:
             out.append(value)
     return tuple(out)
+
+
+def _float_class(value: float) -> tuple:
+    """What a pointwise op's layout can depend on: sign (NaN apart), and being 0 or 1."""
+    return (float, (value > 0) - (value < 0) if value == value else 2, value == 1.0)
 
 
 def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> Any:

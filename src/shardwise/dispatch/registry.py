@@ -22,7 +22,7 @@ import torch
 __all__ = [
     "register_custom_handler", "register_strategy", "register_rule", "register_sharding",
     "lookup", "Registration", "allow_plain_indices", "is_plain_index",
-    "register_layout_handler", "layout_handler",
+    "register_layout_handler", "layout_handler", "SCALAR_SIGN_ONLY", "scalars_matter_by_sign_only",
 ]
 
 
@@ -123,6 +123,19 @@ def register_sharding(op: Any, *, replace: bool = True) -> Callable:
         return fn
 
     return wrap
+
+
+# Ops whose layouts depend on a Python float argument only through its sign (and whether it
+# is 1): pointwise ops. The dispatch cache keys their floats by that class, so a learning rate
+# or bias correction that changes every step does not re-run propagation every step.
+SCALAR_SIGN_ONLY: set = set()
+
+
+def scalars_matter_by_sign_only(*ops: Any) -> None:
+    """Declare that ``ops``' layouts and output metadata depend on float arguments only through
+    their sign, whether they are 0 or 1, or NaN (never shapes: not for ops with scale factors)."""
+    SCALAR_SIGN_ONLY.update(_overloads(ops))
+    _invalidate_caches()
 
 
 _LAYOUT_HANDLERS: dict[Any, list[tuple[Callable, Callable]]] = {}

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from shardwise.dispatch.ops._common import R, aten, aten_ops_tagged, broadcast_dim, num_tensor_outputs, tensor_shapes
-from shardwise.dispatch.registry import register_strategy
+from shardwise.dispatch.registry import register_strategy, scalars_matter_by_sign_only
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema
 from shardwise.placement import Partial, Placement, Shard
 from shardwise.spec import DTensorSpec
@@ -115,6 +115,7 @@ _POINTWISE += _in_place_twins(_POINTWISE)
 _SAME_LAYOUT = [aten.clone.default, aten.detach.default, aten.alias.default, aten.contiguous.default,
                 aten.positive.default, aten.copy_.default, aten.lift_fresh.default]
 register_strategy(*_POINTWISE, *_SAME_LAYOUT, replace=True)(pointwise_axis_candidates)
+scalars_matter_by_sign_only(*_POINTWISE)
 
 
 def _unpartial(p: Placement) -> Placement:
