@@ -118,6 +118,13 @@ BAD_JOBS = [
 
 @pytest.mark.parametrize("argv,message", BAD_JOBS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_job_is_refused_in_the_launching_process(monkeypatch, capsys, argv, message):
+    err = refusal_in_launcher(monkeypatch, capsys, argv)
+    assert _search(message, err)
+
+
+def refusal_in_launcher(monkeypatch, capsys, argv: list[str]) -> str:
+    """Run the CLI here as the launching process (launching fails the test); return its
+    one-line error after checking it exited with status 2."""
     for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "argv", ["shardwise.train", *argv])
@@ -127,7 +134,7 @@ def test_bad_job_is_refused_in_the_launching_process(monkeypatch, capsys, argv, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("shardwise.train: error: "), err
-    assert _search(message, err)
+    return err
 
 
 @pytest.mark.parametrize("argv,message", BAD_JOBS[:3], ids=lambda v: " ".join(v) if isinstance(v, list) else None)

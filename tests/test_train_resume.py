@@ -18,6 +18,7 @@ import pytest
 import shardwise.checkpoint as dcp
 from shardwise.train import cli
 from shardwise.train.checkpointing import latest_checkpoint
+from tests.test_train import refusal_in_launcher
 
 STEPS, STOP = 20, 10
 BASE = ["--config", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--seq-len", "32",
@@ -114,15 +115,7 @@ BAD = ["empty dir", "only temporary dirs", "missing dir", "no dir", "every 0", "
 @pytest.mark.parametrize("name", BAD)
 def test_bad_checkpoint_flags_are_refused_before_launch(monkeypatch, capsys, tmp_path, name):
     argv, message = _bad_setups(tmp_path)[name]
-    for var in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(sys, "argv", ["shardwise.train", *BASE, "--nproc", "4", "--dp-shard", "4", *argv])
-    monkeypatch.setattr(cli, "main_or_launch", _must_not_launch)
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("shardwise.train: error: "), err
+    err = refusal_in_launcher(monkeypatch, capsys, [*BASE, "--nproc", "4", "--dp-shard", "4", *argv])
     assert re.search(message, err.strip()), err
 
 
@@ -146,6 +139,3 @@ def test_help_says_when_checkpoints_are_saved():
     assert "every --checkpoint-every steps and at the end of the run" in text
     assert "--resume continue from the latest committed checkpoint" in text and "--stop-after N" in text
 
-
-def _must_not_launch(*args, **kwargs):
-    raise AssertionError("workers were launched for a bad job")
