@@ -3,6 +3,8 @@
 Shapes are uneven over the meshes used ((4,) and (2, 2)); some ranks hold empty blocks.
 """
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -299,3 +301,33 @@ def test_reduced_dims_helper():
     assert reduced_dims(3, -1) == (2,)
     assert reduced_dims(3, [2, 0, -3]) == (0, 2)
     assert reduced_dims(0, None) == ()
+
+
+_EMPTY_CASES = [((0,), None), ((0, 3), 0), ((2, 0), 1), ((2, 0), None)]
+_STATS = ("var", "std", "var_mean", "std_mean", "mean", "sum")
+
+
+def _empty_statistics():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    results = {}
+    for shape, dim in _EMPTY_CASES:
+        for placements in ([Replicate()], [Shard(0)]):
+            x = sw.distribute_tensor(torch.zeros(shape), mesh, placements)
+            for name in _STATS:
+                out = getattr(torch, name)(x) if dim is None else getattr(torch, name)(x, dim=dim)
+                out = out if isinstance(out, tuple) else (out,)
+                results[(shape, dim, str(placements), name)] = [t.full_tensor() for t in out]
+    return results
+
+
+def test_statistics_of_empty_tensors_match_single_device(dist):
+    """A reduced dim of length 0 gives NaN (var, mean) or 0 (sum) as on one device, not garbage."""
+    for results in dist.run(4, _empty_statistics):
+        for (shape, dim, _, name), got in results.items():
+            x = torch.zeros(shape)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # degrees of freedom <= 0
+                want = getattr(torch, name)(x) if dim is None else getattr(torch, name)(x, dim=dim)
+            want = want if isinstance(want, tuple) else (want,)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, equal_nan=True)

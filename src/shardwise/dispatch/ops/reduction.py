@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -249,8 +250,10 @@ def _run_local(op: Any, x: Any, args: tuple, kwargs: dict, reduced: tuple[int, .
                metas: tuple[TensorMeta, ...]) -> Any:
     """Run a reduction on the local block when every reduced dim is whole on every rank.
 
-    An empty block (a short trailing shard of a kept dim) has an empty result: it is allocated,
-    not computed (torch warns about statistics of nothing).
+    An empty block whose result is empty too (a short trailing shard of a kept dim) is
+    allocated, not computed (torch warns about statistics of nothing). An empty block with a
+    non-empty result means a reduced dim has length 0 on every rank: the op runs, giving what
+    it gives on one device (NaN for var / mean, 0 for sum), the same on every rank.
     """
     from shardwise.dtensor import DTensor
 
@@ -258,10 +261,12 @@ def _run_local(op: Any, x: Any, args: tuple, kwargs: dict, reduced: tuple[int, .
     placements = tuple(Shard(_out_dim(p.dim, reduced, keepdim)) if isinstance(p, Shard) else p for p in spec.placements)
     specs = [DTensorSpec(spec.mesh, placements, m) for m in metas]
     block = x._local_tensor
-    if block.numel() == 0:
+    if block.numel() == 0 and all(math.prod(s.local_shape()) == 0 for s in specs):
         outs = [torch.empty(s.local_shape(), dtype=s.dtype, device=block.device) for s in specs]
     else:
-        out = op(block, *args[1:], **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "var(): degrees of freedom is <= 0", as on one device
+            out = op(block, *args[1:], **kwargs)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
     wrapped = [DTensor(t, s, requires_grad=False) for t, s in zip(outs, specs)]
     return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
