@@ -331,3 +331,22 @@ def test_statistics_of_empty_tensors_match_single_device(dist):
             want = want if isinstance(want, tuple) else (want,)
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, equal_nan=True)
+
+
+def _extremum_with_empty_blocks():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    x = sw.distribute_tensor(torch.zeros(5, 0, 5), mesh, [Shard(0)])  # rank 3's block is empty
+    lo, hi = torch.aminmax(x, dim=0)
+    return tuple(torch.amax(x, dim=0).shape), tuple(lo.full_tensor().shape), tuple(hi.full_tensor().shape)
+
+
+def _extremum_over_an_empty_dim():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    torch.amax(sw.distribute_tensor(torch.zeros(5, 0, 5), mesh, [Shard(0)]), dim=1)
+
+
+def test_extremum_with_empty_blocks_agrees_on_every_rank(dist):
+    """An empty block of the reduced (sharded) dim does not make one rank raise alone; a dim
+    that is empty globally raises on every rank, as on one device."""
+    assert dist.run(4, _extremum_with_empty_blocks) == [((0, 5), (0, 5), (0, 5))] * 4
+    dist.run_expect_error(4, _extremum_over_an_empty_dim, match=r"aten.amax.*zero-size dimension")

@@ -137,7 +137,7 @@ def extremum_candidates(schema: OpSchema) -> list[Candidate]:
     reduced = reduced_dims(spec.ndim, schema.arg(1, "dim"))
     op = "max" if schema.op in (aten.amax.default, aten.max.default) else "min"
     axis = reduction_axis_candidates(schema, reduced, bool(schema.arg(2, "keepdim", False)), op, passing=(op,))
-    rewrite = functools.partial(_fill_empty_block, identity=_identity(op, spec.dtype))
+    rewrite = functools.partial(_fill_empty_block, identity=_identity(op, spec.dtype), global_shape=tuple(spec.shape))
     return [replace(c, rewrite=rewrite) for c in expand(axis, 1, spec.mesh.ndim)]
 
 
@@ -151,11 +151,21 @@ def _identity(op: str, dtype: torch.dtype) -> bool | int | float:
     return info.min if op == "max" else info.max
 
 
-def _fill_empty_block(args: list, kwargs: dict, output_specs: tuple, *, identity: Any) -> tuple[list, dict]:
-    """Replace an empty local block whose result is not empty by one identity element per row."""
+def _fill_empty_block(args: list, kwargs: dict, output_specs: tuple, *, identity: Any,
+                      global_shape: tuple[int, ...]) -> tuple[list, dict]:
+    """Give an empty local block's reduced dims of length 0 one identity element each.
+
+    torch refuses to reduce over a dim of length 0; a rank whose shard of a reduced dim is
+    empty must still produce its (identity) part, and a rank whose kept dims are empty too
+    must produce its empty result like the others instead of raising alone. A reduced dim
+    that is empty globally is left alone: torch raises on every rank, as on one device.
+    """
     block = args[0]
-    if block.numel() == 0 and math.prod(output_specs[0].local_shape()) > 0:
-        args = [torch.full([max(n, 1) for n in block.shape], identity, dtype=block.dtype, device=block.device), *args[1:]]
+    if block.numel() == 0:
+        dims = args[1] if len(args) > 1 else kwargs.get("dim", ())
+        reduced = set(reduced_dims(block.ndim, dims))
+        shape = [1 if n == 0 and d in reduced and global_shape[d] > 0 else n for d, n in enumerate(block.shape)]
+        args = [torch.full(shape, identity, dtype=block.dtype, device=block.device), *args[1:]]
     return args, kwargs
 
 
