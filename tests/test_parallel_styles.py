@@ -52,9 +52,13 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _tp_block(sequence_parallel: bool):
+def _tp_block(sequence_parallel: bool, one_input: bool = False):
     mesh = sw.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
-    block = parallelize_module(make_block(), mesh, _plan(sequence_parallel))
+    plan = _plan(sequence_parallel)
+    if one_input:
+        plan["attention"] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None))
+        plan["feed_forward"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+    block = parallelize_module(make_block(), mesh, plan)
     x, rope = _inputs()
     rank = torch.distributed.get_rank()
     if sequence_parallel:  # each rank holds its slice of the sequence between blocks
@@ -83,6 +87,18 @@ def _check_against_reference(results, sequence_parallel: bool):
         assert layouts["attention.wq.weight"] == (Shard(0),) and layouts["attention.wo.weight"] == (Shard(1),)
         assert layouts["feed_forward.w3.weight"] == (Shard(0),) and layouts["feed_forward.w2.weight"] == (Shard(1),)
         yield fwd, bwd, layouts
+
+
+def _tp_block_one_input(sequence_parallel: bool):
+    """TP with the block inputs made DTensors once: the colwise layers share one input."""
+    return _tp_block(sequence_parallel, one_input=True)
+
+
+def test_shared_replicated_input_reduces_input_gradients_once(dist):
+    """wq/wk/wv (and w1/w3) fed one replicated DTensor: their input gradients add up as one
+    pending sum, reduced once per sub-block (2 all-reduces in backward instead of 5)."""
+    for fwd, bwd, _ in _check_against_reference(dist.run(TP, _tp_block_one_input, False), False):
+        assert fwd == {"all_reduce": 2} and bwd == {"all_reduce": 2}
 
 
 def test_tensor_parallel_block_matches_single_device(dist):

@@ -146,14 +146,16 @@ def tp_plans(sequence_parallel: bool, loss_parallel: bool, api: ParallelAPI | No
         "feed_forward.w2": RowwiseParallel(output_layouts=between),
         "feed_forward.w3": ColwiseParallel(),
     }
+    # The sub-blocks take their input as one DTensor that the colwise layers share, so the
+    # gradients of wq/wk/wv (w1/w3) with respect to it add up as one pending sum, reduced once
+    # per sub-block instead of once per layer (with SP: one reduce-scatter instead of three).
+    block.update({
+        "attention": PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None)),
+        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+    })
     if sequence_parallel:
         root["norm"] = SequenceParallel()
-        block.update({
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
+        block.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
     return root, block
 
 
