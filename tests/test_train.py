@@ -113,6 +113,7 @@ BAD_JOBS = [
     (["--loss-parallel"], r"--loss-parallel shards over the tensor-parallel axis: use --tp > 1"),
     (["--checkpoint-every", "5"], r"--checkpoint-every needs --checkpoint-dir"),
     (["--checkpoint-every", "5", "--resume"], r"--checkpoint-every and --resume need --checkpoint-dir"),
+    (["--max-norm", "-1"], r"--max-norm must be >= 0 \(0 turns clipping off\), got -1.0"),
 ]
 
 

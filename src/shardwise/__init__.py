@@ -4,6 +4,7 @@ The public names mirror ``torch.distributed.tensor`` so that switching imports i
 """
 
 from shardwise.api import distribute_tensor, empty, full, ones, rand, randn, zeros
+from shardwise.clip_grad import clip_grad_norm_
 from shardwise.dispatch import allow_replicate_fallback, implicit_replication, register_sharding
 from shardwise.dtensor import DTensor
 from shardwise.mesh import DeviceMesh, init_device_mesh
@@ -18,4 +19,5 @@ __all__ = [
     "DTensorSpec", "TensorMeta", "DTensor",
     "distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand", "randn",
     "implicit_replication", "allow_replicate_fallback", "register_sharding", "manual_seed",
+    "clip_grad_norm_",
 ]

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
+    p.add_argument("--max-norm", type=float, default=d.max_norm,
+                   help="clip the gradients' total norm to this before each step (0: off)")
     p.add_argument("--seed", type=int, default=d.seed, help="weights and data order")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     p.add_argument("--mixed-precision", action="store_true", help="bf16 params/activations, fp32 gradient reduce")

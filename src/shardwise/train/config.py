@@ -131,6 +131,7 @@ class JobConfig:
         global_batch: sequences per step over all data-parallel ranks.
         seq_len: tokens per sequence.
         lr / warmup: peak learning rate and its linear warmup in steps.
+        max_norm: clip the gradients' total 2-norm to this before each step (0: no clipping).
         seed: seeds the weights and the data order (same for every layout).
         activation_checkpointing: recompute each block's activations in backward.
         mixed_precision: bf16 parameters and activations, fp32 gradient reduction.
@@ -157,6 +158,7 @@ class JobConfig:
     seq_len: int = 128
     lr: float = 1e-3
     warmup: int = 2
+    max_norm: float = 1.0
     seed: int = 0
     activation_checkpointing: bool = False
     mixed_precision: bool = False
@@ -227,6 +229,8 @@ class JobConfig:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.warmup < 0:
             raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+        if not self.max_norm >= 0:
+            raise ConfigError(f"--max-norm must be >= 0 (0 turns clipping off), got {self.max_norm}")
 
     def _check_batch(self, dims: ParallelDims) -> None:
         dp = dims.dp_degree

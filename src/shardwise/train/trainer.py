@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.checkpoint.errors import CheckpointError
+from shardwise.clip_grad import clip_grad_norm_
 from shardwise.launch import under_launcher
 from shardwise.parallel.parallel_dims import ParallelDims
 from shardwise.train.checkpointing import Checkpointer, TrainState, make_checkpointer
@@ -173,6 +174,8 @@ def train(job: JobConfig, runtime: Runtime) -> RunMetrics:
         with _step_context(job, runtime):
             loss = loss_fn(model(inputs), labels)
             loss.backward()
+        if job.max_norm > 0:
+            clip_grad_norm_(model.parameters(), job.max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         metrics.record_step(_local_value(loss), scheduler.get_last_lr()[0])
