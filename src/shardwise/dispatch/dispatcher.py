@@ -89,6 +89,9 @@ class implicit_replication:
         _IMPLICIT[0] = self._before
 
 
+_DECOMPOSING = implicit_replication()
+
+
 # ---------------------------------------------------------------------- hot path
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on DTensors: see the module docstring."""
@@ -109,7 +112,11 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         return _run(func, args, kwargs, dtensors, plan)
     if plan.action == "custom":
         return plan.handler(func, args, kwargs)
-    return plan.handler(*args, **kwargs)  # a decomposition: its ops dispatch again
+    # A decomposition: its ops dispatch again. Plain tensors inside it can only be built from
+    # global metadata (factories over global shapes, scalars read from DTensors), so every rank
+    # builds the same ones: they are replicated values, and are taken as such.
+    with _DECOMPOSING:
+        return plan.handler(*args, **kwargs)
 
 
 def _with_positions(plan: OutputPlan, args: tuple, kwargs: dict, count: int) -> OutputPlan:

@@ -113,7 +113,8 @@ def _in_place_twins(ops: list) -> list:
 
 _POINTWISE += _in_place_twins(_POINTWISE)
 _SAME_LAYOUT = [aten.clone.default, aten.detach.default, aten.alias.default, aten.contiguous.default,
-                aten.positive.default, aten.copy_.default, aten.lift_fresh.default]
+                aten.positive.default, aten.copy_.default, aten.lift_fresh.default,
+                torch.ops.prims.where.default, torch.ops.prims.copy_to.default]  # prims reached by decompositions
 register_strategy(*_POINTWISE, *_SAME_LAYOUT, replace=True)(pointwise_axis_candidates)
 scalars_matter_by_sign_only(*_POINTWISE)
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from shardwise.dispatch.ops._common import R, aten
+from shardwise.dispatch.ops._common import R, aten, bind_arguments
 from shardwise.dispatch.registry import register_custom_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
 from shardwise.placement import Placement, Shard
@@ -217,6 +217,24 @@ def transpose_strategy(schema: OpSchema) -> list[AxisCandidate]:
     dim_map = list(range(spec.ndim))
     dim_map[a], dim_map[b] = b, a
     return dim_map_candidates(spec, dim_map)
+
+
+@register_custom_handler(aten.movedim.int)
+def movedim(op: Any, args: tuple, kwargs: dict) -> Any:
+    """movedim as the permute it is (reached from decompositions such as diag_embed's)."""
+    x, source, destination = bind_arguments(op, args, kwargs)
+    source, destination = source % max(x.ndim, 1), destination % max(x.ndim, 1)
+    order = [d for d in range(x.ndim) if d != source]
+    order.insert(destination, source)
+    return aten.permute.default(x, order)
+
+
+@register_custom_handler(aten.narrow.default)
+def narrow(op: Any, args: tuple, kwargs: dict) -> Any:
+    """narrow as the slice it is."""
+    x, dim, start, length = bind_arguments(op, args, kwargs)
+    start = start + x.shape[dim] if start < 0 else start
+    return aten.slice.Tensor(x, dim, start, start + length)
 
 
 @register_strategy(aten.permute.default)
