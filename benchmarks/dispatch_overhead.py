@@ -36,7 +36,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from shardwise.launch import launch, under_launcher
+from shardwise.launch import close_process_group, launch, under_launcher
 
 OPS = ("add", "mul", "relu", "sum", "mm", "linear", "view", "transpose", "layer_norm", "softmax",
        "embedding", "clone")
@@ -186,10 +186,8 @@ def worker() -> int:
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    try:
-        rows = Bench(args).run()
-    finally:
-        dist.destroy_process_group()
+    rows = Bench(args).run()
+    close_process_group()  # after an error the launcher stops the other ranks
     if args._out and rows is not None:
         with open(args._out, "w") as f:
             json.dump([asdict(r) for r in rows], f)

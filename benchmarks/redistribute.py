@@ -39,7 +39,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from shardwise.launch import main_or_launch
+from shardwise.launch import close_process_group, main_or_launch
 
 NPROC = 4
 EXIT_WRONG = 3
@@ -253,11 +253,8 @@ def worker() -> int:
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        bench = Bench(args)
-        status = bench.run()
-    finally:
-        dist.destroy_process_group()
+    status = Bench(args).run()
+    close_process_group()  # after an error the launcher stops the other ranks
     return status
 
 

@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from shardwise.launch import main_or_launch
+from shardwise.launch import close_process_group, main_or_launch
 
 NPROC = 4
 EXIT_WRONG = 3
@@ -333,10 +333,9 @@ def worker() -> int:
     torch.set_num_threads(1)
     args = parse_args(sys.argv[1:])
     dist.init_process_group("gloo")
-    try:
-        return Bench(args).run()
-    finally:
-        dist.destroy_process_group()
+    status = Bench(args).run()
+    close_process_group()  # after an error the launcher stops the other ranks
+    return status
 
 
 if __name__ == "__main__":

@@ -32,3 +32,18 @@ def _decomposed_ops():
 
 def test_decomposed_ops_match_single_device(dist):
     assert_no_failures(dist.run(4, _decomposed_ops))
+
+
+def _implicit_mode_after_nested_decompositions():
+    from shardwise.dispatch import dispatcher
+
+    mesh = sw.init_device_mesh("cpu", (4,))
+    x = sw.distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])
+    torch.diag_embed(x)  # decompositions inside a decomposition
+    F.pad(x, (1, 1), value=0.5)
+    return dispatcher._IMPLICIT[0]
+
+
+def test_decompositions_leave_plain_tensors_refused_afterwards(dist):
+    """Plain tensors are taken as replicated only inside a decomposition, nested ones included."""
+    assert dist.run(4, _implicit_mode_after_nested_decompositions) == [False] * 4

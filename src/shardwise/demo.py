@@ -13,7 +13,7 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard
 from shardwise.debug import CommDebugMode
-from shardwise.launch import main_or_launch
+from shardwise.launch import close_process_group, main_or_launch
 
 STEPS = [
     [Replicate(), Replicate()],
@@ -58,7 +58,7 @@ def worker() -> int:
     assert torch.equal(dt.full_tensor(), x), "the walk did not return to x"
     if dist.get_rank() == 0:
         print("\nback to Replicate everywhere: every rank holds x again.")
-    dist.destroy_process_group()
+    close_process_group()
     return 0
 
 

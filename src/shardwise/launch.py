@@ -70,6 +70,23 @@ def launch(python_args: list[str], nproc: int, quiet_codes: tuple[int, ...] = ()
     return 0
 
 
+def close_process_group() -> None:
+    """Tear the default process group down once every rank is done with it.
+
+    The barrier first matters: a rank that destroys its gloo connections (or exits) while a
+    peer is still finishing its last collective can abort the peer at exit ("terminate called
+    without an active exception"). Call it on the success path only: after an error the
+    launcher stops the other workers instead.
+    """
+    import torch.distributed as dist
+
+    from shardwise import comm
+
+    if dist.is_initialized():
+        comm.barrier()
+        dist.destroy_process_group()
+
+
 def main_or_launch(
     worker: Callable[[], int | None],
     nproc: int,
@@ -88,6 +105,7 @@ def main_or_launch(
         from torch.distributed.elastic.multiprocessing.errors import record
 
         status = record(worker)()
+        close_process_group()  # if the worker left it open
         sys.exit(int(status or 0))
     program = ["-m", module] if module else [os.path.abspath(sys.argv[0])]
     sys.exit(launch(program + sys.argv[1:], nproc, quiet_codes))

@@ -89,9 +89,6 @@ class implicit_replication:
         _IMPLICIT[0] = self._before
 
 
-_DECOMPOSING = implicit_replication()
-
-
 # ---------------------------------------------------------------------- hot path
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on DTensors: see the module docstring."""
@@ -115,8 +112,11 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     # A decomposition: its ops dispatch again. Plain tensors inside it can only be built from
     # global metadata (factories over global shapes, scalars read from DTensors), so every rank
     # builds the same ones: they are replicated values, and are taken as such.
-    with _DECOMPOSING:
+    before, _IMPLICIT[0] = _IMPLICIT[0], True  # (decompositions nest: restore exactly)
+    try:
         return plan.handler(*args, **kwargs)
+    finally:
+        _IMPLICIT[0] = before
 
 
 def _with_positions(plan: OutputPlan, args: tuple, kwargs: dict, count: int) -> OutputPlan:

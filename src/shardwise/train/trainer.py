@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.clip_grad import clip_grad_norm_
-from shardwise.launch import under_launcher
+from shardwise.launch import close_process_group, under_launcher
 from shardwise.parallel.parallel_dims import ParallelDims
 from shardwise.train.checkpointing import Checkpointer, TrainState, make_checkpointer
 from shardwise.train.config import ConfigError, JobConfig
@@ -89,11 +89,8 @@ class Runtime:
         return cls(device, dist.get_rank(), world, dims, dims.build_mesh(device_type), flat)
 
     def close(self) -> None:
-        if self.world_mesh is not None and dist.is_initialized():
-            from shardwise import comm
-
-            comm.barrier()
-            dist.destroy_process_group()
+        if self.world_mesh is not None:
+            close_process_group()
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
