@@ -496,3 +496,42 @@ def test_activation_checkpointing_recomputes_with_gathered_parameters(dist):
     for grads in dist.run(4, _checkpointed_grads):
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _Branchy(nn.Module):
+    """``sometimes`` is used only when asked (data-dependent use); ``never`` is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.always = nn.Linear(4, 4)
+        self.sometimes = nn.Linear(4, 4)
+        self.never = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_sometimes: bool) -> torch.Tensor:
+        y = self.always(x)
+        return self.sometimes(y) if use_sometimes else y
+
+
+def _unused_parameters():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    model = fully_shard(_Branchy(), mesh=mesh)
+    rank = dist.get_rank()
+    torch.manual_seed(1)
+    x = torch.randn(4, 2, 4)[rank]
+    model(x, use_sometimes=rank == 0).sum().backward()
+    return {n: (None if p.grad is None else p.grad.full_tensor()) for n, p in model.named_parameters()}
+
+
+def test_parameters_no_rank_used_keep_grad_none(dist):
+    """As on one device: no gradient -> None (AdamW skips it, no weight decay); a parameter
+    used on some ranks gets the average over all ranks (zeros from the others)."""
+    torch.manual_seed(0)
+    model = _Branchy()
+    torch.manual_seed(1)
+    xs = torch.randn(4, 2, 4)
+    sum(model(xs[r], use_sometimes=r == 0).sum() for r in range(4)).backward()
+    for grads in dist.run(4, _unused_parameters):
+        assert grads["never.weight"] is None and grads["never.bias"] is None
+        for name in ("always.weight", "always.bias", "sometimes.weight", "sometimes.bias"):
+            torch.testing.assert_close(grads[name], dict(model.named_parameters())[name].grad / 4)

@@ -81,13 +81,18 @@ class ParamGroup:
         if not self.params:
             return
         n, per_rank = self.dp.world, self.layout.per_rank
+        width = per_rank + len(self.params)  # each rank's shards, then one presence flag per parameter
         with torch.no_grad():
-            full = self.layout.pack_grads([p.unsharded_grad() for p in self.params], self.reduce_dtype)  # [n * per_rank]
-            mine = comm.reduce_scatter(full, self.dp.mesh, self.dp.shard_axis, 0, "avg", [per_rank] * n)  # [per_rank]
+            grads = [p.unsharded_grad() for p in self.params]
+            full = self.layout.pack_grads(grads, self.reduce_dtype, presence=True)  # [n * width]
+            mine = comm.reduce_scatter(full, self.dp.mesh, self.dp.shard_axis, 0, "avg", [width] * n)  # [width]
             del full
             if self.dp.replicate_axis is not None:
                 mine = comm.all_reduce(mine, self.dp.mesh, self.dp.replicate_axis, "avg")
-            for p, shard in zip(self.params, self.layout.unpack_shards(mine, self.dp.rank)):
-                if p.requires_grad:
+            # A parameter no rank produced a gradient for keeps grad None, as on one device (an
+            # optimizer then skips it); one that some rank used gets the average, zeros included.
+            present = (mine[per_rank:] > 0).tolist()
+            for p, shard, used in zip(self.params, self.layout.unpack_shards(mine[:per_rank], self.dp.rank), present):
+                if p.requires_grad and used:
                     p.accumulate_sharded_grad(shard)
                 p.clear_unsharded_grad()

@@ -123,16 +123,22 @@ class FlatLayout:
             out.view(self.world, slot.padded_rows, slot.row_numel).copy_(src)
 
     # ------------------------------------------------------------------ reduce side
-    def pack_grads(self, grads: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+    def pack_grads(self, grads: Sequence[torch.Tensor | None], dtype: torch.dtype, *, presence: bool = False) -> torch.Tensor:
         """Rank-major ``[world * per_rank]`` buffer of whole-block gradients (None counts as 0).
 
         Slot s of rank r holds rows ``[r * padded_rows, (r + 1) * padded_rows)`` of gradient s,
         zero-padded past its last row, so a reduce_scatter leaves each rank its own shards.
+        With ``presence`` every rank's segment ends with one more element per slot: 1 where
+        this rank has that gradient, so after the reduction each rank knows whether ANY rank
+        had it (``[world * (per_rank + len(slots))]``).
         """
-        flat = torch.zeros(self.world, self.per_rank, dtype=dtype, device=_device(grads))
-        for slot, grad in zip(self.slots, grads):
+        extra = len(self.slots) if presence else 0
+        flat = torch.zeros(self.world, self.per_rank + extra, dtype=dtype, device=_device(grads))
+        for index, (slot, grad) in enumerate(zip(self.slots, grads)):
             if grad is None:
                 continue
+            if presence:
+                flat[:, self.per_rank + index] = 1
             # [world, padded_rows, row_numel]: ranks with a whole slot first, then a partial one
             dst = flat.narrow(1, slot.offset, slot.numel).view(self.world, slot.padded_rows, slot.row_numel)
             src = grad.reshape(slot.rows, slot.row_numel)
