@@ -43,7 +43,7 @@ def _softmax(mesh_shape):
     masked = x.clone()
     masked[1] = float("-inf")
     failures += check_op(lambda t: aten._safe_softmax(t, -1), [masked], [_along(mesh, Shard(0))], mesh, grad=False)
-    # The softmax dim sharded: gathered first, and the result is right.
+    # The softmax dim sharded: row statistics all-reduced (vocab_parallel), and the result is right.
     failures += check_op(lambda t: F.softmax(t, 0), [x], [_along(mesh, Shard(0))], mesh)
     return failures
 

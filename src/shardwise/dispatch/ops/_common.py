@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from shardwise.dispatch.strategy import Candidate, OpSchema, choose
 from shardwise.placement import Placement, Replicate, Shard
-from shardwise.spec import DTensorSpec
+from shardwise.redistribute.execute import redistribute_local
+from shardwise.spec import DTensorSpec, TensorMeta
 
 aten = torch.ops.aten
 R = Replicate()
@@ -65,3 +67,53 @@ def tensor_shapes(values: Any) -> list[tuple[int, ...]]:
         elif isinstance(v, (list, tuple)):
             shapes += tensor_shapes(v)
     return shapes
+
+
+# ---------------------------------------------------------------------- custom handlers
+# Custom and layout handlers (losses, attention, vocab-parallel ops) choose a layout the way the
+# propagator does, then run local code around the op; these are their shared pieces.
+_PLANS: dict = {}
+
+
+def cached_choice(key: tuple, schema: OpSchema, make: Callable[[], list[Candidate]]) -> Candidate:
+    """The cheapest of ``make()``'s candidates for ``schema``, cached under ``key`` (which must
+    determine the candidates: the op, the input specs and the relevant non-tensor arguments)."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = choose(schema, make())
+        if plan is None:
+            raise ValueError(f"{schema.op}: no valid layout")
+        if len(_PLANS) > 1024:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def local_block(t: Any, placements: Sequence[Placement] | None) -> torch.Tensor:
+    """DTensor ``t``'s local block laid out by ``placements`` (communicates only if they differ)."""
+    if placements is None or tuple(placements) == t._spec.placements:
+        return t._local_tensor
+    return redistribute_local(t._local_tensor, t._spec, t._spec.with_placements(placements))
+
+
+def localize(dtensors: list[Any], plan: Candidate) -> list[torch.Tensor]:
+    """Each DTensor's local block under the plan's input placements (collectives if moved)."""
+    return [local_block(t, target) for t, target in zip(dtensors, plan.inputs)]
+
+
+def meta_of(value: Any) -> Any:
+    """A meta tensor shaped like a spec or tensor (to compute output metadata); others pass."""
+    if isinstance(value, (DTensorSpec, torch.Tensor)):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return value
+
+
+def make_spec(mesh: Any, placements: tuple[Placement, ...], meta: torch.Tensor) -> DTensorSpec:
+    return DTensorSpec(mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype))
+
+
+def wrap_local(local: torch.Tensor, mesh: Any, placements: tuple[Placement, ...], meta: torch.Tensor) -> Any:
+    """A DTensor of ``local`` blocks whose global metadata is the meta tensor ``meta``'s."""
+    from shardwise.dtensor import DTensor
+
+    return DTensor(local, make_spec(mesh, placements, meta), requires_grad=False)

@@ -34,8 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from shardwise.dispatch.ops._common import R, aten, broadcast_dim
-from shardwise.dispatch.ops.loss import cached_choice, localize, make_spec
+from shardwise.dispatch.ops._common import R, aten, broadcast_dim, cached_choice, localize, make_spec, meta_of
 from shardwise.dispatch.ops.norm import linear_partial_ops, spec_arguments
 from shardwise.dispatch.registry import register_custom_handler
 from shardwise.dispatch.strategy import Candidate, OpSchema, expand
@@ -81,37 +80,40 @@ def _finish(schema: OpSchema, names: list[str], axis_candidates: list[tuple], n_
     return [c for c in candidates if _heads_line_up(schema, names, c)]
 
 
-def flash_forward(schema: OpSchema) -> list[Candidate]:
-    """(out, logsumexp) from (query, key, value, attn_mask?)."""
-    names = spec_arguments(schema)
+def _flash_axis(schema: OpSchema, names: list[str], causal: bool, outs: Callable[[Placement], tuple],
+                query_rows: tuple) -> list[tuple]:
+    """Per-axis layouts shared by the flash kernels: batch dims or heads sharded (every output
+    alike, ``outs(Shard(d))``), query rows sharded unless causal (outputs ``query_rows``), or
+    everything replicated."""
     specs = schema.specs
     q = specs[names.index("query")]
     scores = _scores_shape(schema, names)
-    causal = bool(schema.arg(4, "is_causal", False))
-    axis: list[tuple] = []
-    for d in range(q.ndim - 2):  # batch dims and heads
-        axis.append((Shard(d), Shard(d)) + _layout(names, specs, scores, Shard(d), Shard(d), d))
+    axis = [outs(Shard(d)) + _layout(names, specs, scores, Shard(d), Shard(d), d) for d in range(q.ndim - 2)]
     if not causal:
         rows = q.ndim - 2
-        axis.append((Shard(rows), Shard(rows)) + _layout(names, specs, scores, R, Shard(rows), rows))
-    axis.append((R, R) + _layout(names, specs, scores, R, R, None))
+        axis.append(query_rows + _layout(names, specs, scores, R, Shard(rows), rows))
+    axis.append(outs(R) + _layout(names, specs, scores, R, R, None))
+    return axis
+
+
+def flash_forward(schema: OpSchema) -> list[Candidate]:
+    """(out, logsumexp) from (query, key, value, attn_mask?)."""
+    names = spec_arguments(schema)
+    rows = Shard(schema.specs[names.index("query")].ndim - 2)
+    axis = _flash_axis(schema, names, bool(schema.arg(4, "is_causal", False)), lambda p: (p, p), (rows, rows))
     return _finish(schema, names, axis, 2)
 
 
 def flash_backward(schema: OpSchema) -> list[Candidate]:
-    """(grad_query, grad_key, grad_value) from (grad_out, query, key, value, out, logsumexp, attn_mask?)."""
+    """(grad_query, grad_key, grad_value) from (grad_out, query, key, value, out, logsumexp, attn_mask?).
+
+    With the query rows sharded, each rank's rows touch every key: grad_key / grad_value are
+    partial sums over the row blocks."""
     names = spec_arguments(schema)
     specs = schema.specs
-    q = specs[names.index("query")]
-    scores = _scores_shape(schema, names)
-    causal = bool(schema.arg(7, "is_causal", False))
-    axis: list[tuple] = []
-    for d in range(q.ndim - 2):
-        axis.append((Shard(d),) * 3 + _layout(names, specs, scores, Shard(d), Shard(d), d))
-    if not causal:
-        rows = q.ndim - 2
-        axis.append((Shard(rows), Partial(), Partial()) + _layout(names, specs, scores, R, Shard(rows), rows))
-    axis.append((R,) * 3 + _layout(names, specs, scores, R, R, None))
+    rows = Shard(specs[names.index("query")].ndim - 2)
+    axis = _flash_axis(schema, names, bool(schema.arg(7, "is_causal", False)), lambda p: (p,) * 3,
+                       (rows, Partial(), Partial()))
     for op in linear_partial_ops(specs[names.index("grad_out")]):
         ins = tuple(Partial(op) if n == "grad_out" else R for n in names)
         axis.insert(0, (Partial(op),) * 3 + ins)
@@ -141,13 +143,9 @@ def _schema_of(op: Any, args: tuple, kwargs: dict) -> tuple[OpSchema, list[Any]]
     return OpSchema(op, args_, kwargs_, tuple(d._spec for d in dtensors)), dtensors
 
 
-def _meta(value: Any) -> Any:
-    return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, DTensorSpec) else value
-
-
 def _output_specs(schema: OpSchema, plan: Candidate, like: tuple[str, ...]) -> list[DTensorSpec]:
     """Output specs from the op's meta outputs; ``like`` names inputs whose strides they take."""
-    metas = schema.op(*map(_meta, schema.args), **{k: _meta(v) for k, v in schema.kwargs})
+    metas = schema.op(*map(meta_of, schema.args), **{k: meta_of(v) for k, v in schema.kwargs})
     specs = [make_spec(schema.mesh, p, m) for p, m in zip(plan.outputs, metas)]
     names = spec_arguments(schema)
     for i, name in enumerate(like):

@@ -12,8 +12,9 @@ nll_loss over samples sharded on the batch (or, for nll_loss2d, a spatial) dim:
   backward divides by) comes out replicated. This needs a collective inside the op, hence a
   custom handler rather than a strategy.
 
-The class dim must be whole: the target indexes into it. Sharding it (vocab-parallel cross
-entropy) without gathering is the job of loss_parallel; here the cost model gathers it.
+The class dim is whole here: the target indexes into it. Logits sharded on the class dim
+(vocab-parallel cross entropy) are taken by the layout handlers of ``vocab_parallel.py``
+before this module's handlers are consulted.
 
 mse_loss and its backward shard elementwise; their mean divides by the GLOBAL element count,
 which is static, so each rank computes its local sum and divides by it (no communication).
@@ -26,40 +27,20 @@ from typing import Any, Callable
 
 import torch
 
-from shardwise.dispatch.ops._common import R, aten, bind_arguments, broadcast_dim, num_tensor_outputs
+from shardwise.dispatch.ops._common import (
+    R, aten, bind_arguments, broadcast_dim, cached_choice, localize, make_spec, meta_of, num_tensor_outputs,
+    wrap_local,
+)
 from shardwise.dispatch.ops.norm import linear_partial_ops, spec_arguments
 from shardwise.dispatch.registry import register_custom_handler, register_strategy
-from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, choose, expand
+from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
 from shardwise.placement import Partial, Placement, Shard
 from shardwise.redistribute.execute import redistribute_local
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.spec import DTensorSpec
 
-__all__ = [
-    "nll_loss_forward", "nll_loss_backward", "mse_loss_forward", "mse_loss_backward",
-    "cached_choice", "localize", "make_spec",
-]
+__all__ = ["nll_loss_forward", "nll_loss_backward", "mse_loss_forward", "mse_loss_backward"]
 
 NONE, MEAN, SUM = 0, 1, 2
-
-
-# ---------------------------------------------------------------------- running a custom handler
-# Custom handlers (here and in attention.py) choose a layout the way the propagator does, then
-# run local code around the op; these helpers are the shared pieces.
-_PLANS: dict = {}
-
-
-def cached_choice(key: tuple, schema: OpSchema, make: Callable[[], list[Candidate]]) -> Candidate:
-    """The cheapest of ``make()``'s candidates for ``schema``, cached under ``key`` (which must
-    determine the candidates: the op, the input specs and the relevant non-tensor arguments)."""
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = choose(schema, make())
-        if plan is None:
-            raise ValueError(f"{schema.op}: no valid layout")
-        if len(_PLANS) > 1024:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
 
 
 def _plan(op: Any, specs: tuple[DTensorSpec, ...], reduction: int,
@@ -77,29 +58,6 @@ def _dtensors(name: str, values: list[Any]) -> list[Any]:
     if not all(isinstance(t, DTensor) for t in tensors):
         raise ValueError(f"{name}: mix of DTensors and plain tensors; make every tensor argument a DTensor")
     return tensors
-
-
-def localize(dtensors: list[Any], plan: Candidate) -> list[torch.Tensor]:
-    """Each DTensor's local block under the plan's input placements (collectives if moved)."""
-    return [
-        t._local_tensor if target is None or target == t._spec.placements
-        else redistribute_local(t._local_tensor, t._spec, t._spec.with_placements(target))
-        for t, target in zip(dtensors, plan.inputs)
-    ]
-
-
-def _meta(spec: DTensorSpec) -> torch.Tensor:
-    return torch.empty(spec.shape, dtype=spec.dtype, device="meta")
-
-
-def make_spec(mesh, placements: tuple[Placement, ...], meta: torch.Tensor) -> DTensorSpec:
-    return DTensorSpec(mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype))
-
-
-def _wrap(local: torch.Tensor, mesh, placements: tuple[Placement, ...], meta: torch.Tensor) -> Any:
-    from shardwise.dtensor import DTensor
-
-    return DTensor(local, make_spec(mesh, placements, meta), requires_grad=False)
 
 
 # ---------------------------------------------------------------------- nll_loss forward
@@ -131,8 +89,7 @@ def nll_loss_forward(op: Any, args: tuple, kwargs: dict) -> tuple:
     blocks = localize(dtensors, plan)
     local_weight = blocks[2] if weight is not None else None
     loss, total = op(blocks[0], blocks[1], local_weight, SUM if reduction == MEAN else reduction, ignore_index)
-    meta_weight = None if weight is None else _meta(specs[2])
-    meta_loss, meta_total = op(_meta(specs[0]), _meta(specs[1]), meta_weight, reduction, ignore_index)
+    meta_loss, meta_total = op(meta_of(specs[0]), meta_of(specs[1]), None if weight is None else meta_of(specs[2]), reduction, ignore_index)
     mesh = specs[0].mesh
     loss_pl, total_pl = plan.outputs
     if reduction == MEAN:
@@ -141,7 +98,7 @@ def nll_loss_forward(op: Any, args: tuple, kwargs: dict) -> tuple:
             total_spec = make_spec(mesh, total_pl, meta_total)
             total = redistribute_local(total, total_spec, total_spec.with_placements(replicated))
         loss, total_pl = loss / total, replicated
-    return _wrap(loss, mesh, loss_pl, meta_loss), _wrap(total, mesh, total_pl, meta_total)
+    return wrap_local(loss, mesh, loss_pl, meta_loss), wrap_local(total, mesh, total_pl, meta_total)
 
 
 # ---------------------------------------------------------------------- backward
@@ -197,7 +154,7 @@ def mse_loss_forward(op: Any, args: tuple, kwargs: dict) -> Any:
     loss = op(*blocks, SUM if reduction == MEAN else reduction)
     if reduction == MEAN:
         loss = loss / math.prod(torch.broadcast_shapes(*(s.shape for s in specs)))
-    return _wrap(loss, specs[0].mesh, plan.outputs[0], op(*map(_meta, specs), reduction))
+    return wrap_local(loss, specs[0].mesh, plan.outputs[0], op(*map(meta_of, specs), reduction))
 
 
 def _mse_backward_axis_candidates(specs: tuple[DTensorSpec, ...], reduction: int) -> list[AxisCandidate]:
@@ -226,4 +183,4 @@ def mse_loss_backward(op: Any, args: tuple, kwargs: dict) -> Any:
     out = op(*blocks, SUM if reduction == MEAN else reduction)
     if reduction == MEAN:
         out = out / math.prod(specs[1].shape)
-    return _wrap(out, specs[0].mesh, plan.outputs[0], op(*map(_meta, specs), reduction))
+    return wrap_local(out, specs[0].mesh, plan.outputs[0], op(*map(meta_of, specs), reduction))

@@ -3,7 +3,9 @@
 They all normalize each "row" over some dims using statistics of the whole row, so:
 
 * the normalized dims must be whole (replicated on every mesh axis) — a block of a row would
-  be normalized with the block's statistics;
+  be normalized with the block's statistics (softmax over a sharded dim is the exception,
+  handled before these strategies by ``vocab_parallel.py``: the row statistics are
+  all-reduced);
 * every other dim (batch, sequence, the non-softmax dims) may stay sharded: rows are
   independent, so each rank normalizes its own rows without communication;
 * parameters (weight, bias) are replicated; their gradients sum over the rows, so with the

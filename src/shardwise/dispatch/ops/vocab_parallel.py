@@ -28,12 +28,11 @@ from typing import Any
 import torch
 
 from shardwise import comm
-from shardwise.dispatch.ops._common import R, aten, bind_arguments
+from shardwise.dispatch.ops._common import R, aten, bind_arguments, local_block, meta_of, wrap_local
 from shardwise.dispatch.registry import register_layout_handler
 from shardwise.dispatch.strategy import OpSchema
 from shardwise.placement import Partial, Placement, Shard
-from shardwise.redistribute.execute import redistribute_local
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.spec import DTensorSpec
 
 __all__ = ["softmax_forward", "softmax_backward", "nll_loss_forward", "nll_loss_backward"]
 
@@ -55,27 +54,9 @@ def _nll_applies(schema: OpSchema, self_position: int) -> bool:
     return isinstance(spec, DTensorSpec) and bool(spec.shard_axes(_class_dim(spec.ndim)))
 
 
-def _moved(t: Any, placements: tuple[Placement, ...]) -> torch.Tensor:
-    """``t``'s local block laid out by ``placements`` (communicates only if they differ)."""
-    if t._spec.placements == placements:
-        return t._local_tensor
-    return redistribute_local(t._local_tensor, t._spec, t._spec.with_placements(placements))
-
-
 def _settled(spec: DTensorSpec) -> tuple[Placement, ...]:
     """``spec``'s placements with pending reductions made Replicate."""
     return tuple(R if p.is_partial() else p for p in spec.placements)
-
-
-def _wrap(local: torch.Tensor, mesh, placements: tuple[Placement, ...], meta: torch.Tensor) -> Any:
-    from shardwise.dtensor import DTensor
-
-    spec = DTensorSpec(mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype))
-    return DTensor(local, spec, requires_grad=False)
-
-
-def _meta(t: Any) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
 
 
 def _all_reduce(t: torch.Tensor, mesh, axes: list[int], op: str) -> torch.Tensor:
@@ -104,14 +85,14 @@ def softmax_forward(op: Any, args: tuple, kwargs: dict) -> Any:
     spec = x._spec
     dim = dim % spec.ndim
     placements = _settled(spec)
-    local = _moved(x, placements)
+    local = local_block(x, placements)
     if half_to_float:
         local = local.float()
     axes = spec.shard_axes(dim)
     z = local - _row_max(local, dim, spec.mesh, axes)
     total = _all_reduce(z.exp().sum(dim, keepdim=True), spec.mesh, axes, "sum")
     out = z - total.log() if op is aten._log_softmax.default else z.exp() / total
-    return _wrap(out, spec.mesh, placements, op(_meta(x), dim, half_to_float))
+    return wrap_local(out, spec.mesh, placements, op(meta_of(x), dim, half_to_float))
 
 
 @register_layout_handler(aten._log_softmax_backward_data.default, aten._softmax_backward_data.default,
@@ -122,7 +103,7 @@ def softmax_backward(op: Any, args: tuple, kwargs: dict) -> Any:
     spec = out._spec
     dim = dim % spec.ndim
     placements = _settled(spec)
-    out_local, grad_local = _moved(out, placements), _moved(grad, placements)
+    out_local, grad_local = local_block(out, placements), local_block(grad, placements)
     axes = spec.shard_axes(dim)
     if op is aten._log_softmax_backward_data.default:
         row = _all_reduce(grad_local.sum(dim, keepdim=True), spec.mesh, axes, "sum")
@@ -130,7 +111,7 @@ def softmax_backward(op: Any, args: tuple, kwargs: dict) -> Any:
     else:
         row = _all_reduce((grad_local * out_local).sum(dim, keepdim=True), spec.mesh, axes, "sum")
         result = out_local * (grad_local - row)
-    return _wrap(result.to(input_dtype), spec.mesh, placements, op(_meta(grad), _meta(out), dim, input_dtype))
+    return wrap_local(result.to(input_dtype), spec.mesh, placements, op(meta_of(grad), meta_of(out), dim, input_dtype))
 
 
 # ---------------------------------------------------------------------- nll_loss
@@ -172,7 +153,7 @@ def _weights(weight: Any, owned: _Owned, like: torch.Tensor) -> torch.Tensor:
     if weight is None:
         w = torch.ones_like(owned.safe_target, dtype=like.dtype)
     else:
-        w = _moved(weight, (R,) * weight._spec.mesh.ndim)[owned.safe_target].to(like.dtype)
+        w = local_block(weight, (R,) * weight._spec.mesh.ndim)[owned.safe_target].to(like.dtype)
     return torch.where(owned.valid, w, torch.zeros_like(w))
 
 
@@ -184,8 +165,8 @@ def nll_loss_forward(op: Any, args: tuple, kwargs: dict) -> tuple:
     spec, mesh = x._spec, x._spec.mesh
     c = _class_dim(spec.ndim)
     placements = _settled(spec)
-    local = _moved(x, placements)
-    target_local = _moved(target, _target_layout(placements, c))
+    local = local_block(x, placements)
+    target_local = local_block(target, _target_layout(placements, c))
     owned = _Owned(spec, placements, target_local, ignore_index)
     w = _weights(weight, owned, local)
     if owned.length:
@@ -206,8 +187,8 @@ def nll_loss_forward(op: Any, args: tuple, kwargs: dict) -> tuple:
             total_placements = (R,) * mesh.ndim
             loss = loss / total
         loss_placements = (R,) * mesh.ndim
-    meta_loss, meta_total = op(_meta(x), _meta(target), _meta(weight), reduction, ignore_index)
-    return _wrap(loss, mesh, loss_placements, meta_loss), _wrap(total, mesh, total_placements, meta_total)
+    meta_loss, meta_total = op(meta_of(x), meta_of(target), meta_of(weight), reduction, ignore_index)
+    return wrap_local(loss, mesh, loss_placements, meta_loss), wrap_local(total, mesh, total_placements, meta_total)
 
 
 @register_layout_handler(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default,
@@ -218,17 +199,17 @@ def nll_loss_backward(op: Any, args: tuple, kwargs: dict) -> Any:
     spec, mesh = x._spec, x._spec.mesh
     c = _class_dim(spec.ndim)
     placements = _settled(spec)
-    local = _moved(x, placements)
+    local = local_block(x, placements)
     target_layout = _target_layout(placements, c)
-    target_local = _moved(target, target_layout)
+    target_local = local_block(target, target_layout)
     owned = _Owned(spec, placements, target_local, ignore_index)
-    g = _moved(grad, target_layout if reduction == 0 else (R,) * mesh.ndim).to(local.dtype)
+    g = local_block(grad, target_layout if reduction == 0 else (R,) * mesh.ndim).to(local.dtype)
     scale = -_weights(weight, owned, local) * g
     if reduction == MEAN:
-        scale = scale / _moved(total_weight, (R,) * mesh.ndim)
+        scale = scale / local_block(total_weight, (R,) * mesh.ndim)
     out = torch.zeros_like(local)
     if owned.length:
         values = torch.where(owned.owned, scale, torch.zeros_like(scale)).unsqueeze(c)
         out.scatter_(c, owned.index, values)
-    meta = op(_meta(grad), _meta(x), _meta(target), _meta(weight), reduction, ignore_index, _meta(total_weight))
-    return _wrap(out, mesh, placements, meta)
+    meta = op(meta_of(grad), meta_of(x), meta_of(target), meta_of(weight), reduction, ignore_index, meta_of(total_weight))
+    return wrap_local(out, mesh, placements, meta)
