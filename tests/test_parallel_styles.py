@@ -222,3 +222,23 @@ def _no_collective_before_error():
 def test_bad_plan_distributes_nothing(dist):
     """The valid entry is not applied either: the plan is checked as a whole first."""
     assert dist.run(4, _no_collective_before_error) == [(0, False)] * 4
+
+
+def _one_rowwise_style_for_embedding_and_linear():
+    mesh = sw.init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 6), nn.Embedding(12, 8))
+    row = RowwiseParallel()  # one object, applied to an Embedding first and then to a Linear
+    parallelize_module(model, mesh, {"2": row, "0": ColwiseParallel(), "1": row})
+    torch.manual_seed(1)
+    return model[1](model[0](torch.randn(3, 6))), model[2](torch.tensor([[0, 5, 11]]))
+
+
+def test_a_style_object_applied_to_several_modules_keeps_each_ones_layout(dist):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 6), nn.Embedding(12, 8))
+    torch.manual_seed(1)
+    want_y, want_e = model[1](model[0](torch.randn(3, 6))), model[2](torch.tensor([[0, 5, 11]]))
+    for y, e in dist.run(4, _one_rowwise_style_for_embedding_and_linear):
+        torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(e, want_e)

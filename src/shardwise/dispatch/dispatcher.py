@@ -112,11 +112,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     # A decomposition: its ops dispatch again. Plain tensors inside it can only be built from
     # global metadata (factories over global shapes, scalars read from DTensors), so every rank
     # builds the same ones: they are replicated values, and are taken as such.
-    before, _IMPLICIT[0] = _IMPLICIT[0], True  # (decompositions nest: restore exactly)
-    try:
+    with implicit_replication():  # a fresh context each time: decompositions nest
         return plan.handler(*args, **kwargs)
-    finally:
-        _IMPLICIT[0] = before
 
 
 def _with_positions(plan: OutputPlan, args: tuple, kwargs: dict, count: int) -> OutputPlan:

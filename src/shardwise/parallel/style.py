@@ -150,8 +150,12 @@ class _LinearPair(ParallelStyle):
     def _desired_input(self, module: nn.Module) -> Placement:
         raise NotImplementedError
 
+    def _given_input(self, module: nn.Module) -> Placement:
+        """The layout a plain input arrives in."""
+        return self.input_layouts
+
     def _install_hooks(self, module: nn.Module, mesh: DeviceMesh) -> None:
-        given, desired = self.input_layouts, self._desired_input(module)
+        given, desired = self._given_input(module), self._desired_input(module)
         output, local = self.output_layouts, self.use_local_output
 
         def before(mod, inputs):
@@ -218,14 +222,16 @@ class RowwiseParallel(_LinearPair):
     def _desired_input(self, module: nn.Module) -> Placement:
         return Shard(-1) if isinstance(module, nn.Linear) else Replicate()
 
+    def _given_input(self, module: nn.Module) -> Placement:
+        # Without explicit input_layouts, an Embedding's token ids are whole on every rank.
+        return self.input_layouts if self._explicit_input or isinstance(module, nn.Linear) else Replicate()
+
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear):
             _shard_parameter(module, "weight", mesh, Shard(1))
             _shard_parameter(module, "bias", mesh, Replicate())
         else:
             _shard_parameter(module, "weight", mesh, Shard(0))
-            if not self._explicit_input:  # token ids are whole on every rank
-                self.input_layouts = Replicate()
         self._install_hooks(module, mesh)
         return module
 
