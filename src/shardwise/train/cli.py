@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     p.add_argument("--mixed-precision", action="store_true", help="bf16 params/activations, fp32 gradient reduce")
     p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    p.add_argument("--collective-timeout", type=float, metavar="SECONDS", default=d.collective_timeout,
+                   help="fail a collective that has not completed after this many seconds, naming the ranks "
+                        "that did not arrive")
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
     p.add_argument("--plot", metavar="FILE", default=None, help="write the loss curve to this PNG")
     p.add_argument("--metrics-file", metavar="FILE", default=None, help="write per-step losses etc. as JSON")

@@ -144,6 +144,8 @@ class JobConfig:
         resume: continue from the latest checkpoint in ``checkpoint_dir`` (any layout).
         stop_after: end this run after this step (None: after ``steps``); the schedule still
             spans ``steps``, so a resumed run continues the same schedule.
+        collective_timeout: seconds after which a collective that has not completed fails,
+            naming the ranks that did not arrive (the backend's own default waits 30 minutes).
     """
 
     config: str = "debug"
@@ -170,6 +172,7 @@ class JobConfig:
     checkpoint_every: int | None = None
     resume: bool = False
     stop_after: int | None = None
+    collective_timeout: float = 120.0
 
     # ------------------------------------------------------------------ derived values
     def model_args(self) -> ModelArgs:
@@ -231,6 +234,8 @@ class JobConfig:
             raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
         if not self.max_norm >= 0:
             raise ConfigError(f"--max-norm must be >= 0 (0 turns clipping off), got {self.max_norm}")
+        if not 0 < self.collective_timeout < math.inf:
+            raise ConfigError(f"--collective-timeout must be a positive number of seconds, got {self.collective_timeout}")
 
     def _check_batch(self, dims: ParallelDims) -> None:
         dp = dims.dp_degree
