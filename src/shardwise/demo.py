@@ -28,6 +28,17 @@ STEPS = [
 ]
 
 
+LEGEND = """\
+How to read it:
+  placements, one per mesh axis in mesh order (dp, tp):
+    R       Replicate(): every rank of that axis holds the same data
+    S(d)    Shard(d): tensor dim d is cut into contiguous blocks, one per rank of that axis
+    P(sum)  Partial(sum): every rank holds a summand; the value is the sum over that axis
+  layout, e.g. f32[4@tp,6@dp]{P(sum)@dp}: dtype float32, global shape (4, 6), dim 0 split
+    over the tp axis, dim 1 over dp, and a sum over dp still pending
+  rank r (i, j): the rank, its coordinate on the (dp, tp) mesh, and the block it holds"""
+
+
 def _gather_text(text: str) -> list[str]:
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, text)
@@ -49,7 +60,7 @@ def worker() -> int:
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     if dist.get_rank() == 0:
-        print(f"mesh {mesh}: ranks {mesh.mesh.tolist()}\nglobal tensor x (4, 6):\n{x}")
+        print(f"mesh {mesh}: ranks {mesh.mesh.tolist()}\nglobal tensor x (4, 6):\n{x}\n\n{LEGEND}")
     dt = sw.distribute_tensor(x, mesh, STEPS[0])
     for placements in STEPS[1:]:
         with CommDebugMode() as comms:
