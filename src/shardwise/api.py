@@ -10,7 +10,7 @@ import torch.distributed as dist
 from shardwise import comm
 from shardwise.dtensor import DTensor
 from shardwise.mesh import DeviceMesh, init_device_mesh
-from shardwise.placement import Partial, Placement, Replicate, Shard
+from shardwise.placement import Partial, Placement, Replicate, Shard, as_placements
 from shardwise.spec import DTensorSpec, TensorMeta, contiguous_stride
 
 __all__ = ["distribute_tensor", "default_mesh", "zeros", "ones", "empty", "full", "rand", "randn"]
@@ -28,10 +28,13 @@ def default_mesh(device_type: str = "cpu") -> DeviceMesh:
 
 
 def _layout(
-    mesh: DeviceMesh | None, placements: Sequence[Placement] | None, device_type: str
+    mesh: DeviceMesh | None, placements: Sequence[Placement] | None, device_type: str, what: str
 ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh (default: the world) and validated placements (default: all Replicate)."""
+    if placements is not None:
+        placements = as_placements(placements, f"{what}: placements")
     mesh = mesh or default_mesh(device_type)
-    return mesh, tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
+    return mesh, placements if placements is not None else (Replicate(),) * mesh.ndim
 
 
 def distribute_tensor(
@@ -63,7 +66,7 @@ def distribute_tensor(
             f"distribute_tensor got a DTensor ({tensor._spec.render()} on {tensor.device_mesh}); "
             "use .redistribute() to change its layout"
         )
-    mesh, placements = _layout(device_mesh, placements, tensor.device.type)
+    mesh, placements = _layout(device_mesh, placements, tensor.device.type, "distribute_tensor")
     if tensor.device.type != mesh.device_type:
         tensor = tensor.to(mesh.device_type)
     spec = DTensorSpec(mesh, placements, TensorMeta.of(tensor))
@@ -111,6 +114,7 @@ Fill = Callable[[tuple, tuple, tuple, dict], torch.Tensor]
 
 
 def _make(
+    what: str,
     size: tuple,
     fill: Fill,
     *,
@@ -123,7 +127,7 @@ def _make(
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
     shape = torch.Size(size)
-    mesh, layout = _layout(device_mesh, placements, "cpu")
+    mesh, layout = _layout(device_mesh, placements, "cpu", what)
     dtype = dtype or torch.get_default_dtype()
     spec = DTensorSpec(mesh, layout, TensorMeta(shape, contiguous_stride(shape), dtype))
     local_shape, offset = spec.local_shape_and_offset()
@@ -166,22 +170,22 @@ def zeros(*size, **layout) -> DTensor:
     Example:
         >>> zeros(8, 4, device_mesh=mesh, placements=[Shard(0)])
     """
-    return _make(size, lambda shape, local, offset, options: torch.zeros(local, **options), **layout)
+    return _make("zeros", size, lambda shape, local, offset, options: torch.zeros(local, **options), **layout)
 
 
 def ones(*size, **layout) -> DTensor:
     """A DTensor of global ``size`` filled with 1 (keywords as ``zeros``)."""
-    return _make(size, lambda shape, local, offset, options: torch.ones(local, **options), **layout)
+    return _make("ones", size, lambda shape, local, offset, options: torch.ones(local, **options), **layout)
 
 
 def empty(*size, **layout) -> DTensor:
     """A DTensor of global ``size`` with uninitialized values (keywords as ``zeros``)."""
-    return _make(size, lambda shape, local, offset, options: torch.empty(local, **options), **layout)
+    return _make("empty", size, lambda shape, local, offset, options: torch.empty(local, **options), **layout)
 
 
 def full(size, fill_value, **layout) -> DTensor:
     """A DTensor of global ``size`` filled with ``fill_value`` (keywords as ``zeros``)."""
-    return _make(tuple(size), lambda shape, local, offset, options: torch.full(local, fill_value, **options), **layout)
+    return _make("full", tuple(size), lambda shape, local, offset, options: torch.full(local, fill_value, **options), **layout)
 
 
 def rand(*size, **layout) -> DTensor:
@@ -190,9 +194,9 @@ def rand(*size, **layout) -> DTensor:
     Seed with ``torch.manual_seed`` or ``shardwise.random.manual_seed``, identically on every
     rank. The values are shardwise's own (see ``shardwise.random``), not ``torch.rand``'s.
     """
-    return _make(size, _random_block("uniform"), **layout)
+    return _make("rand", size, _random_block("uniform"), **layout)
 
 
 def randn(*size, **layout) -> DTensor:
     """Standard normal values, the same for every layout given the same seed (keywords as ``rand``)."""
-    return _make(size, _random_block("normal"), **layout)
+    return _make("randn", size, _random_block("normal"), **layout)

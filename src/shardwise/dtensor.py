@@ -15,7 +15,7 @@ import torch
 from shardwise import comm
 from shardwise.dispatch import dispatch
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import Placement, Replicate, Shard
+from shardwise.placement import Placement, Replicate, Shard, as_placements
 from shardwise.redistribute.function import FromLocal, Redistribute, ToLocal
 from shardwise.spec import DTensorSpec, TensorMeta, contiguous_stride
 
@@ -99,7 +99,8 @@ class DTensor(torch.Tensor):
         from shardwise.api import default_mesh
 
         mesh = device_mesh or default_mesh(local_tensor.device.type)
-        placements = tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
+        placements = (as_placements(placements, "from_local: placements") if placements is not None
+                      else (Replicate(),) * mesh.ndim)
         if mesh.device_type != local_tensor.device.type and local_tensor.device.type == "cpu":
             local_tensor = local_tensor.to(mesh.device_type)
         meta = _global_meta(local_tensor, mesh, placements, shape, stride, run_check)
@@ -110,9 +111,11 @@ class DTensor(torch.Tensor):
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's block (a view). ``grad_placements`` says how to read its gradient."""
+        if grad_placements is not None:
+            grad_placements = as_placements(grad_placements, "to_local: grad_placements")
         if not torch.is_grad_enabled():
             return self._local_tensor
-        return ToLocal.apply(self, tuple(grad_placements) if grad_placements else None)
+        return ToLocal.apply(self, grad_placements or None)
 
     def redistribute(
         self,
@@ -134,7 +137,7 @@ class DTensor(torch.Tensor):
             )
         if placements is None:
             raise ValueError("redistribute needs target placements")
-        dst = self._spec.with_placements(placements)
+        dst = self._spec.with_placements(as_placements(placements, "redistribute: placements"))
         if dst.placements == self._spec.placements:
             return self
         return Redistribute.apply(self, dst)

@@ -20,7 +20,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "check_placements"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "check_placements", "as_placements"]
 
 
 class Placement:
@@ -133,18 +133,76 @@ class Partial(Placement):
         return f"P({self.reduce_op})"
 
 
+ACCEPTED = "Shard(dim), Replicate() or Partial(reduce_op)"
+
+
+def as_placements(value: object, what: str = "placements") -> tuple[Placement, ...]:
+    """``value`` as a tuple of Placement objects, or one TypeError naming the bad entry.
+
+    The single gate for placements given by users (distribute_tensor, from_local, redistribute,
+    the factories, DTensorSpec): a string such as ``"S"`` is refused whole rather than iterated
+    character by character, and the class ``Shard`` (no parentheses) is told apart from an
+    instance.
+
+    Raises:
+        TypeError: ``value`` is not a list/tuple, or one of its entries is not a placement.
+    """
+    if isinstance(value, tuple) and all(isinstance(p, Placement) for p in value):
+        return value  # the common case, kept cheap: specs are built on every cache miss
+    if not isinstance(value, (list, tuple)):
+        hint = f"; write [{value!r}]" if isinstance(value, Placement) else ""
+        if isinstance(value, type) and issubclass(value, Placement):
+            hint = f"; write [{value.__name__}({'0' if value is Shard else ''})], with parentheses"
+        raise TypeError(
+            f"{what} must be a list or tuple with one placement per mesh axis ({ACCEPTED}), "
+            f"got {_describe(value)}{hint}"
+        )
+    for i, p in enumerate(value):
+        if not isinstance(p, Placement):
+            raise TypeError(
+                f"{what}[{i}] of {show_placements(value)} is {_describe(p)}; expected Placement objects: "
+                f"{ACCEPTED}{_fix_hint(p)}"
+            )
+    return tuple(value)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    name = type(value).__name__
+    return f"{value!r} ({'an' if name[0] in 'aeiou' else 'a'} {name})"
+
+
+def show_placements(value: object) -> str:
+    """``[Shard(dim=0), Replicate()]``; classes by name, anything else by repr (for messages)."""
+    if not isinstance(value, (list, tuple)):
+        return value.__name__ if isinstance(value, type) else repr(value)
+    return "[" + ", ".join(p.__name__ if isinstance(p, type) else repr(p) for p in value) + "]"
+
+
+def _fix_hint(p: object) -> str:
+    """How to write what the user probably meant."""
+    if isinstance(p, type) and issubclass(p, Placement):
+        return f": call it, e.g. {p.__name__}(0)" if p is Shard else f": call it, {p.__name__}()"
+    if isinstance(p, int) and not isinstance(p, bool):
+        return f" (to shard tensor dim {p}, write Shard({p}))"
+    if isinstance(p, str):
+        names = {"s": "Shard(dim)", "shard": "Shard(dim)", "r": "Replicate()", "replicate": "Replicate()",
+                 "p": "Partial()", "partial": "Partial()"}
+        guess = names.get(p.strip().lower().split("(")[0])
+        return f" (write {guess}, not a string)" if guess else " (not a string)"
+    return ""
+
+
 def check_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
     """Validate a placement list on its own (no mesh or shape needed) and return it as a tuple.
 
     Raises:
-        TypeError: an entry is not a Placement.
+        TypeError: not a list/tuple of Placements (see ``as_placements``).
         ValueError: Partials with different reduce ops are mixed; no single reduction order
             would give the value back (sum and max do not commute).
     """
-    placements = tuple(placements)
-    for p in placements:
-        if not isinstance(p, Placement):
-            raise TypeError(f"expected Placement objects, got {p!r} in {list(placements)}")
+    placements = as_placements(placements)
     ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
     if len(ops) > 1:
         raise ValueError(

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import Placement, Shard, check_placements
+from shardwise.placement import Placement, Shard, as_placements, check_placements, show_placements
 
 __all__ = ["TensorMeta", "DTensorSpec", "local_shape_and_offset", "contiguous_stride", "dtype_name"]
 
@@ -162,7 +162,7 @@ class DTensorSpec:
 
     def with_placements(self, placements: Sequence[Placement]) -> "DTensorSpec":
         """The same tensor on the same mesh, laid out by ``placements``."""
-        return DTensorSpec(self.mesh, tuple(placements), self.tensor_meta)
+        return DTensorSpec(self.mesh, as_placements(placements), self.tensor_meta)
 
     # ------------------------------------------------------------------ rendering
     def render(self) -> str:
@@ -193,14 +193,19 @@ def _validated(
 ) -> tuple[Placement, ...]:
     """Placements checked against the mesh and tensor rank, with Shard dims made non-negative."""
     shape = tuple(meta.shape) if meta is not None else None
-    where = f"tensor of shape {list(shape) if shape is not None else '?'} on {mesh} with placements {list(placements)}"
+
+    def where(shown: object) -> str:
+        return f"tensor of shape {list(shape) if shape is not None else '?'} on {mesh} with placements {shown}"
+
     try:
         placements = check_placements(placements)
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"{err} ({where})") from None
+    except TypeError as err:
+        raise TypeError(f"{err} ({where(show_placements(placements))})") from None
+    except ValueError as err:
+        raise ValueError(f"{err} ({where(list(placements))})") from None
     if len(placements) != mesh.ndim:
         raise ValueError(
-            f"{len(placements)} placements for a {mesh.ndim}-D mesh: need one per mesh axis ({where})"
+            f"{len(placements)} placements for a {mesh.ndim}-D mesh: need one per mesh axis ({where(list(placements))})"
         )
     if shape is None:
         return placements
@@ -208,8 +213,7 @@ def _validated(
     for p in placements:
         if isinstance(p, Shard):
             if not -len(shape) <= p.dim < len(shape):
-                raise ValueError(f"Shard({p.dim}) is outside the tensor's {len(shape)} dims ({where})")
+                raise ValueError(f"Shard({p.dim}) is outside the tensor's {len(shape)} dims ({where(list(placements))})")
             p = p.normalized(len(shape))
         out.append(p)
     return tuple(out)
-
