@@ -131,6 +131,24 @@ class ParallelDims:
         """How many ways the global batch is split."""
         return self.dp_replicate * self.dp_shard
 
+    def describe(self) -> str:
+        """The layout in words, e.g. ``HSDP dp_replicate=2 x dp_shard=2 + TP tp=2``.
+
+        The data-parallel kind is named because the degrees alone hide it: dp_replicate=2 with
+        an inferred dp_shard=2 is HSDP, not the DDP a user may have meant.
+        """
+        parts = [self._data_parallel_kind()] if self.dp_enabled else []
+        parts += [f"{name.upper()} {name}={getattr(self, name)}" for name in ("cp", "tp", "pp", "ep")
+                  if getattr(self, name) > 1]
+        return " + ".join(parts) or "single process"
+
+    def _data_parallel_kind(self) -> str:
+        if self.hsdp_enabled:
+            return f"HSDP dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}"
+        if self.dp_replicate_enabled:
+            return f"DDP dp_replicate={self.dp_replicate}"
+        return f"FSDP dp_shard={self.dp_shard}"
+
     # ------------------------------------------------------------------ mesh
     def mesh_axes(self) -> list[tuple[str, int]]:
         """The (name, size) of each world-mesh axis: the degrees > 1, outermost first."""

@@ -7,21 +7,27 @@
     python -m shardwise.train --nproc 4 --tp 2 --dp-shard 2 --steps 200 --checkpoint-dir ckpt --resume
 
 Without a launcher the command starts ``--nproc`` local processes itself (gloo on CPU; nccl
-when --device resolves to cuda); under torchrun it joins the launcher's job. The job is
-validated in the launching process before any worker starts, and again in every worker: a
-bad job prints one ``error:`` line and exits with status 2, without a traceback. Checkpoint
-flags are checked there too (``--resume`` needs a committed checkpoint of the same config and
-seed); a checkpoint that then fails to load is refused the same way, by every worker.
+when --device resolves to cuda); under torchrun it joins the launcher's job, whose size the
+launcher sets (``--nproc`` is then accepted only if it equals that world size: it is this
+command's own process count, not torchrun's ``--nproc-per-node``). The job is validated in the
+launching process before any worker starts, and again in every worker: a bad job prints one
+``error:`` line and exits with status 2, without a traceback. Checked there too: the output
+files' directories exist and are writable, the checkpoint flags (``--resume`` needs a committed
+checkpoint of the same config and seed), and that no other live run uses ``--checkpoint-dir``.
+The run then holds that directory's lock (``run_lock.py``) until it ends. A checkpoint that
+fails to load is refused the same way, by every worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 from shardwise.launch import main_or_launch, under_launcher
-from shardwise.train.config import CONFIGS, ConfigError, JobConfig
+from shardwise.train.config import CONFIGS, ConfigError, JobConfig, describe_config
+from shardwise.train.run_lock import RunLockError, hold_for_run
 
 __all__ = ["build_parser", "job_from_argv", "main", "EXIT_BAD_JOB"]
 
@@ -29,15 +35,32 @@ EXIT_BAD_JOB = 2
 PROG = "shardwise.train"
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to options with a meaningful default (not None, not an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = any(action.default is v for v in (None, False, argparse.SUPPRESS)) or not action.option_strings
+        if quiet or "%(default)" in text or "default:" in text:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = JobConfig()
-    p = argparse.ArgumentParser(prog=PROG, description="Train a Llama-style model on the Python standard "
-                                "library's source with any mix of FSDP/HSDP, DDP, TP, SP and loss parallelism.")
-    p.add_argument("--config", default=d.config, help=f"model shapes: {', '.join(CONFIGS)} (default {d.config})")
+    p = argparse.ArgumentParser(prog=PROG, formatter_class=_HelpFormatter,
+                                description="Train a Llama-style model on the Python standard library's source with "
+                                "any mix of FSDP/HSDP, DDP, TP, SP and loss parallelism.")
+    p.add_argument("--config", default=d.config, metavar="NAME",
+                   help="model shapes: " + "; ".join(describe_config(name) for name in CONFIGS))
     p.add_argument("--nproc", type=int, default=None,
-                   help="processes; default 1, or the world size under torchrun")
+                   help="local processes this command starts (default: 1). Under torchrun (or another launcher) "
+                        "the launcher sets the world size: leave --nproc out there (it is accepted only when it "
+                        "equals the world size; torchrun's own flag is --nproc-per-node, given before -m)")
     p.add_argument("--dp-replicate", type=int, default=d.dp_replicate, help="data-parallel replicas (DDP/HSDP)")
-    p.add_argument("--dp-shard", type=int, default=d.dp_shard, help="FSDP shards; -1 infers from the others")
+    p.add_argument("--dp-shard", type=int, default=d.dp_shard,
+                   help="FSDP shards; -1 infers nproc / (dp-replicate x tp), so --dp-replicate 2 with --nproc 4 is "
+                        "HSDP 2 x 2 (the layout is printed at start); pass --dp-shard 1 for plain DDP")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
     p.add_argument("--sequence-parallel", action="store_true", help="shard norms/residuals along the sequence (tp)")
     p.add_argument("--loss-parallel", action="store_true", help="loss on vocabulary-sharded logits (tp)")
@@ -46,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end this run after step N (a checkpoint is saved there with --checkpoint-dir); the "
                         "schedule still spans --steps, so --resume later continues the same run exactly")
     p.add_argument("--global-batch", type=int, default=d.global_batch, help="sequences per step, all dp ranks")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
     p.add_argument("--max-norm", type=float, default=d.max_norm,
@@ -54,19 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="weights and data order")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     p.add_argument("--mixed-precision", action="store_true", help="bf16 params/activations, fp32 gradient reduce")
-    p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when a GPU is visible, else cpu")
     p.add_argument("--collective-timeout", type=float, metavar="SECONDS", default=d.collective_timeout,
                    help="fail a collective that has not completed after this many seconds, naming the ranks "
                         "that did not arrive")
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
-    p.add_argument("--plot", metavar="FILE", default=None, help="write the loss curve to this PNG")
-    p.add_argument("--metrics-file", metavar="FILE", default=None, help="write per-step losses etc. as JSON")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="write the loss curve to this PNG (its directory must exist; checked before training)")
+    p.add_argument("--metrics-file", metavar="FILE", default=None,
+                   help="write per-step losses etc. as JSON (its directory must exist; checked before training)")
     ckpt = p.add_argument_group("checkpoints", "A checkpoint holds the model, the optimizer (AdamW moments and step "
                                 "counts), the learning-rate schedule, the step, the data position and the seed; it "
                                 "loads into any parallel layout and world size.")
     ckpt.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                       help="save checkpoints to DIR/step-<N> (atomically): every --checkpoint-every steps and at "
-                           "the end of the run (after --steps, or --stop-after)")
+                           "the end of the run (after --steps, or --stop-after). The run locks DIR (DIR/.lock) until "
+                           "it ends: a second run on DIR is refused")
     ckpt.add_argument("--checkpoint-every", type=int, metavar="K", default=d.checkpoint_every,
                       help="also save every K steps (K > 0; default: only at the end of the run)")
     ckpt.add_argument("--resume", action="store_true",
@@ -85,7 +112,11 @@ def job_from_argv(argv: list[str]) -> JobConfig:
     ns = build_parser().parse_args(argv)
     world = _world_size_from_env()
     if world is not None and ns.nproc is not None and ns.nproc != world:
-        raise ConfigError(f"--nproc {ns.nproc} differs from the launcher's world size {world}")
+        raise ConfigError(
+            f"--nproc {ns.nproc} differs from the launcher's world size {world}: under a launcher (torchrun) the "
+            f"launcher sets the number of processes, and --nproc (the processes shardwise.train starts itself "
+            f"without one) must be left out; for torchrun put --nproc-per-node before -m"
+        )
     nproc = ns.nproc if ns.nproc is not None else (world or 1)
     fields = {k: v for k, v in vars(ns).items() if k != "nproc"}
     job = JobConfig(nproc=nproc, **fields).validate()
@@ -106,26 +137,43 @@ def _check_devices(job: JobConfig) -> None:
                           f"(use --device cpu, or torchrun across hosts)")
 
 
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _fail(message: str) -> int:
     """Print a bad job once (rank 0 under a launcher) and return its exit status."""
-    if os.environ.get("RANK", "0") == "0":
+    if _is_rank_zero():
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
     return EXIT_BAD_JOB
+
+
+def _run_lock(job: JobConfig) -> contextlib.AbstractContextManager:
+    """The checkpoint directory's lock for the run: taken by the launching process or rank 0.
+
+    Under shardwise's own launcher, rank 0 finds its parent holding it and takes nothing.
+    """
+    if not job.checkpoint_dir or not _is_rank_zero():
+        return contextlib.nullcontext()
+    return hold_for_run(job.checkpoint_dir)
 
 
 def worker() -> int:
     """The per-rank entry point (under a launcher, or the only process)."""
     try:
         job = job_from_argv(sys.argv[1:])
-    except ConfigError as err:
+        with _run_lock(job):
+            return _run(job)
+    except (ConfigError, RunLockError) as err:
         return _fail(str(err))
-    return _run(job)
 
 
 def _run(job: JobConfig) -> int:
     """Train on this rank; a checkpoint this job cannot resume from is a bad job too."""
     from shardwise.train.trainer import run_job
 
+    if _is_rank_zero():
+        print(f"{PROG}: layout: {job.describe_layout()}", flush=True)
     try:
         return run_job(job)
     except ConfigError as err:
@@ -133,14 +181,18 @@ def _run(job: JobConfig) -> int:
 
 
 def main() -> None:
-    """Validate here, then train in this process (one CPU/GPU rank) or launch the workers."""
+    """Validate here, then train in this process (one CPU/GPU rank) or launch the workers.
+
+    The launching process holds the checkpoint directory's lock while its workers run.
+    """
     if under_launcher():
         main_or_launch(worker, 1, quiet_codes=(EXIT_BAD_JOB,), module=PROG)
         return
     try:
         job = job_from_argv(sys.argv[1:])
-    except ConfigError as err:
+        with _run_lock(job):
+            if job.nproc == 1:
+                sys.exit(_run(job))
+            main_or_launch(worker, job.nproc, quiet_codes=(EXIT_BAD_JOB,), module=PROG)
+    except (ConfigError, RunLockError) as err:
         sys.exit(_fail(str(err)))
-    if job.nproc == 1:
-        sys.exit(_run(job))
-    main_or_launch(worker, job.nproc, quiet_codes=(EXIT_BAD_JOB,), module=PROG)

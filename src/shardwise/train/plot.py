@@ -33,12 +33,8 @@ _FONT = {
 
 def write_loss_plot(path: str, losses: list[float], title: str = "") -> str:
     """Write the loss curve to ``path``; return a line saying how it was drawn."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:  # outside the ImportError handler: a failed write is not chained under it
         with open(path, "wb") as f:
             f.write(render_loss_png(losses))
         return f"loss plot: {path} (built-in plotter; install matplotlib for a labelled chart)"
@@ -51,6 +47,18 @@ def write_loss_plot(path: str, losses: list[float], title: str = "") -> str:
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return f"loss plot: {path}"
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 class _Canvas:
