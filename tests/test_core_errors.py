@@ -66,3 +66,98 @@ def test_bad_placements_on_a_2d_mesh_raise_on_every_rank(dist):
                           exc_type=TypeError)
     dist.run_expect_error(4, _use_bad_placements, "distribute_tensor", "class_not_instance", (2, 2),
                           match=BAD_MATCH["class_not_instance"], exc_type=TypeError)
+
+
+# ---------------------------------------------------------------------- the op's own errors
+def _raise_before_any_collective(make):
+    """Run ``make()``; its error must come before any collective (re-raised unchanged)."""
+    from shardwise.debug import CommDebugMode
+
+    with CommDebugMode() as comms:
+        try:
+            make()
+        except Exception:
+            assert comms.get_total_counts() == 0, f"collectives before the error: {comms.get_comm_counts()}"
+            raise
+
+
+def _user_shape_mistake(kind: str):
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    a = sw.distribute_tensor(torch.ones(8, 5), mesh, [Shard(0)])
+    b = sw.distribute_tensor(torch.ones(4, 3), mesh, [Replicate()])
+    mistakes = {
+        "mm": lambda: torch.mm(a, b),
+        "sum_dim": lambda: a.sum(dim=5),
+        "broadcast": lambda: a + b,
+        "view": lambda: a.view(7),
+        "softmax_dim": lambda: torch.softmax(a, dim=3),  # meta lets it through; the blocks refuse
+    }
+    _raise_before_any_collective(mistakes[kind])
+
+
+OP_ERRORS = {
+    # kind: (exception type torch raises on one device, start of its message, the call rendered)
+    "mm": (RuntimeError, r"a and b must have same reduction dim", r"aten\.mm\(f32\[8@tp,5\], f32\[4,3\]\)"),
+    "sum_dim": (IndexError, r"Dimension out of range", r"aten\.sum\.dim_IntList\(f32\[8@tp,5\], \[5\]\)"),
+    "broadcast": (RuntimeError, r"Attempting to broadcast a dimension", r"aten\.add\.Tensor\(f32\[8@tp,5\], f32\[4,3\]\)"),
+    "view": (RuntimeError, r"shape '\[7\]' is invalid for input of size 40", r"aten\.view\(f32\[8@tp,5\], \[7\]\)"),
+    "softmax_dim": (IndexError, r"Dimension out of range", r"aten\._softmax\(f32\[8@tp,5\], 3, False\)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OP_ERRORS))
+def test_a_users_shape_mistake_raises_the_ops_own_error_with_layouts(dist, kind):
+    exc_type, message, call = OP_ERRORS[kind]
+    messages = dist.run_expect_error(4, _user_shape_mistake, kind, exc_type=exc_type,
+                                     match=rf"^{message}.*\non DTensors: {call} on mesh\(tp=4\)$")
+    assert not any("shardwise has no sharding support" in m or "cannot compute output shapes" in m for m in messages)
+
+
+def _colwise_where_rowwise_belongs():
+    from torch import nn
+
+    from shardwise.parallel import ColwiseParallel, parallelize_module
+
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": ColwiseParallel()})  # "2" should be Rowwise
+    _raise_before_any_collective(lambda: mlp(torch.randn(3, 8)))
+
+
+def test_a_tp_plan_that_colwise_shards_a_rowwise_layer_raises_the_shape_error(dist):
+    # The first layer hands its local [3, 4] block on as the input of the second, which expects
+    # 16 features: torch's own shape error, not "UnsupportedOp", on every rank.
+    dist.run_expect_error(4, _colwise_where_rowwise_belongs, exc_type=RuntimeError,
+                          match=r"^a and b must have same reduction dim, but got \[3, 4\] X \[16, 8\]\.\n"
+                                r"on DTensors: aten\.addmm\(f32\[8@tp\], f32\[3,4\], f32\[16,8@tp\]\)")
+
+
+def _custom_op_without_sharding(bad: bool):
+    from shardwise.dispatch import UnsupportedOp  # noqa: F401  (the type the test expects)
+
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = sw.distribute_tensor(torch.ones(4, 3 if bad else 4), mesh, [Shard(0)])
+    torch.ops.core_errors_test.square_only(x)
+
+
+@torch.library.custom_op("core_errors_test::square_only", mutates_args=())
+def _square_only(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_square_only.register_fake
+def _(x):
+    if x.shape[0] != x.shape[1]:
+        raise ValueError(f"square_only needs a square matrix, got {list(x.shape)}")
+    return torch.empty_like(x)
+
+
+def test_unsupported_op_only_when_a_rule_is_missing(dist):
+    from shardwise.dispatch import UnsupportedOp
+
+    dist.run_expect_error(2, _custom_op_without_sharding, False, exc_type=UnsupportedOp,
+                          match=r"shardwise has no sharding support for core_errors_test\.square_only")
+    dist.run_expect_error(2, _custom_op_without_sharding, True, exc_type=ValueError,
+                          match=r"^square_only needs a square matrix, got \[4, 3\]\n"
+                                r"on DTensors: core_errors_test\.square_only\(f32\[4@tp,3\]\)")

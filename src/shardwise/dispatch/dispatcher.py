@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shardwise.dispatch import registry
-from shardwise.dispatch.propagation import OutputPlan, UnsupportedOp, propagate
+from shardwise.dispatch.propagation import OutputPlan, UnsupportedOp, propagate, with_layouts
 from shardwise.dispatch.strategy import OpSchema
 from shardwise.placement import Replicate
 from shardwise.redistribute.execute import redistribute_local
@@ -178,7 +178,10 @@ def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> A
         local_kwargs = dict(zip(kwargs, _swap(kwargs.values(), it))) if kwargs else {}
     if plan.rewrite is not None:
         local_args, local_kwargs = plan.rewrite(local_args, local_kwargs, plan.output_specs)
-    out = func(*local_args, **local_kwargs)
+    try:
+        out = func(*local_args, **local_kwargs)
+    except Exception as err:  # the op's own error on the blocks (a dim out of range, dtypes)
+        raise with_layouts(err, render_call(func, args, kwargs)) from None
     returns = plan.returns
     if returns == "wrap":
         return _repack(out, plan.output_specs)

@@ -17,7 +17,10 @@ from shardwise.dispatch import registry
 from shardwise.dispatch.strategy import Candidate, OpSchema, choose, count_specs, expand, replicate_all
 from shardwise.spec import DTensorSpec, TensorMeta
 
-__all__ = ["OutputPlan", "propagate", "UnsupportedOp", "fallback_enabled", "allow_replicate_fallback"]
+__all__ = [
+    "OutputPlan", "propagate", "UnsupportedOp", "fallback_enabled", "allow_replicate_fallback",
+    "is_meta_limitation", "with_layouts",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +84,23 @@ def _set_fallback(enabled: bool) -> None:
 
 
 def propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, describe: Callable[[], str]) -> OutputPlan:
-    """Decide the layouts for one call (see the module docstring for the priority order)."""
+    """Decide the layouts for one call (see the module docstring for the priority order).
+
+    A user's own mistake (shapes that do not fit, a dim out of range) surfaces as the op's own
+    error, as torch raises it on one device, with the layouts appended: the op runs on meta
+    tensors of the GLOBAL shapes, the same on every rank, so every rank raises it, before any
+    collective. ``UnsupportedOp`` means only that a sharding rule is missing.
+    """
+    try:
+        return _propagate(op, schema, meta_args, meta_kwargs, describe)
+    except Exception:
+        # A rule or a layout predicate may trip over inputs the op itself rejects: then say
+        # what the op says (the error path only; a second meta run costs nothing here).
+        _raise_if_op_rejects(op, meta_args, meta_kwargs, describe)
+        raise
+
+
+def _propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, describe: Callable[[], str]) -> OutputPlan:
     special = registry.layout_handler(op, schema)
     if special is not None:
         return OutputPlan("custom", handler=special)
@@ -93,6 +112,7 @@ def propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, de
         if decomposition is not None:
             return OutputPlan("decompose", handler=decomposition)
         if not fallback_enabled():
+            _raise_if_op_rejects(op, meta_args, meta_kwargs, describe)
             raise UnsupportedOp(_unsupported_message(op, describe()))
     outputs = _meta_outputs(op, meta_args, meta_kwargs, describe)
     if registration is None:
@@ -224,15 +244,51 @@ def _mutated_spec_indices(op: Any, schema: OpSchema, names: list[str]) -> list[i
 # ---------------------------------------------------------------------- metadata
 def _meta_outputs(op: Any, meta_args: tuple, meta_kwargs: dict, describe) -> list:
     """The op's outputs, flattened, computed on meta tensors of the global shapes."""
-    if "device" in meta_kwargs:  # _to_copy / new_* with device=cpu would leave meta
-        meta_kwargs = {**meta_kwargs, "device": torch.device("meta")}
     try:
-        out = op(*meta_args, **meta_kwargs)
-    except Exception as err:  # an op with no meta kernel
+        out = _run_meta(op, meta_args, meta_kwargs)
+    except Exception as err:
+        if not is_meta_limitation(err):
+            raise with_layouts(err, describe()) from None
         if not any(r.type.kind().startswith("Tensor") or "Tensor" in str(r.type) for r in op._schema.returns):
             return [None] * len(op._schema.returns)
         raise UnsupportedOp(f"{describe()}: cannot compute output shapes on meta tensors ({err})") from None
     return flatten_outputs(out)
+
+
+def _run_meta(op: Any, meta_args: tuple, meta_kwargs: dict) -> Any:
+    if "device" in meta_kwargs:  # _to_copy / new_* with device=cpu would leave meta
+        meta_kwargs = {**meta_kwargs, "device": torch.device("meta")}
+    return op(*meta_args, **meta_kwargs)
+
+
+def _raise_if_op_rejects(op: Any, meta_args: tuple, meta_kwargs: dict, describe) -> None:
+    """Raise the op's own error if it rejects these (global) inputs; otherwise return."""
+    try:
+        _run_meta(op, meta_args, meta_kwargs)
+    except Exception as err:
+        if not is_meta_limitation(err):
+            raise with_layouts(err, describe()) from None
+
+
+def is_meta_limitation(err: BaseException) -> bool:
+    """True if ``err`` says the op cannot run on meta tensors, not that its inputs are wrong.
+
+    Ops without a meta kernel raise NotImplementedError; data-dependent ones (``item``,
+    ``repeat_interleave`` without output_size) a RuntimeError that names meta tensors.
+    """
+    return isinstance(err, NotImplementedError) or "meta" in str(err).lower()
+
+
+def with_layouts(err: BaseException, call: str) -> BaseException:
+    """``err`` itself (same type, so callers catch it as on one device) with the call's layouts
+    appended to its message: ``...\non DTensors: aten.mm(f32[4@tp,5], f32[4,3]) on mesh(tp=2)``."""
+    line = f"on DTensors: {call}"
+    if err.args and isinstance(err.args[0], str) and not isinstance(err, KeyError):
+        if line not in err.args[0]:
+            err.args = (f"{err.args[0]}\n{line}",) + err.args[1:]
+    elif hasattr(err, "add_note"):
+        err.add_note(line)
+    return err
 
 
 def flatten_outputs(out: Any) -> list:
