@@ -16,7 +16,8 @@ never read.
 
 Crash tests kill a process at named points of this sequence: set
 ``SHARDWISE_CHECKPOINT_KILL_AT=<point>`` (or ``<point>@<rank>``) and the process that reaches it
-SIGKILLs itself. Unset, the check costs one environment lookup.
+SIGKILLs itself; ``<point>[@<rank>]:INT`` sends SIGINT instead (a Ctrl-C: KeyboardInterrupt
+raised there). Unset, the check costs one environment lookup.
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ KILL_ENV = "SHARDWISE_CHECKPOINT_KILL_AT"
 
 
 def fault_point(name: str, rank: int) -> None:
-    """SIGKILL this process if ``$SHARDWISE_CHECKPOINT_KILL_AT`` names this point (crash tests)."""
+    """SIGKILL (or SIGINT) this process if ``$SHARDWISE_CHECKPOINT_KILL_AT`` names this point (crash tests)."""
     wanted = os.environ.get(KILL_ENV)
-    if wanted and wanted in (name, f"{name}@{rank}"):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if not wanted:
+        return
+    where, _, how = wanted.partition(":")
+    if where in (name, f"{name}@{rank}"):
+        os.kill(os.getpid(), signal.SIGINT if how == "INT" else signal.SIGKILL)
 
 
 def new_token() -> str:

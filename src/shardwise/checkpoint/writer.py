@@ -10,8 +10,11 @@ Steps (all ranks; three small object exchanges, no tensor ever travels):
    computing each chunk's crc32, and fsyncs the file; ranks exchange the chunk records;
 4. rank 0 writes ``metadata.json`` (fsync'ed) and commits; ranks exchange the outcome.
 
-Any failure on any rank (disk full, permission) becomes one error on every rank, and the tmp
-directory is removed; the previous checkpoint at ``path`` is never touched before the commit.
+Any failure on any rank (disk full, permission) becomes one error on every rank. Whatever
+ends a save early on rank 0 (such an error, a collective failing because a peer died,
+KeyboardInterrupt) removes the tmp directory; the previous checkpoint at ``path`` is never
+touched before the commit. Only a killed rank 0 leaves a tmp directory, which the next save
+removes.
 """
 
 from __future__ import annotations
@@ -69,13 +72,23 @@ def save(state_dict: Mapping, path: str | os.PathLike, *, max_chunk_bytes: int =
     path = os.fspath(path)
     local = _local_state(state_dict)
     world = current_world()
-    token, declared, proposals = _prepare(world, path, local)
+    token, error = _create_tmp(path) if world.rank == 0 else (None, None)
     try:
-        written = assign_writers(declared, proposals)[world.rank]
-    except CheckpointError:
-        if world.rank == 0:
+        _save_into_tmp(world, path, token, error, local, max_chunk_bytes)
+    except BaseException:
+        # Whatever stops the save (an error reported by any rank, a collective failing because
+        # a peer died, Ctrl-C), rank 0 removes the tmp directory it created; after a commit
+        # it no longer exists, and the previous checkpoint was never touched before it.
+        if token is not None:
             commit_.discard(path, token)
         raise
+
+
+def _save_into_tmp(world: World, path: str, token: str | None, error: str | None, local: _LocalState,
+                   max_chunk_bytes: int) -> None:
+    """Steps 2-4 of the module docstring, after rank 0 tried to create the tmp directory."""
+    token, declared, proposals = _exchange_proposals(world, token, error, local)
+    written = assign_writers(declared, proposals)[world.rank]
     chunks = _exchange_chunks(world, path, token, local, written, max_chunk_bytes)
     error = _guarded(lambda: _finish(path, token, local, chunks)) if world.rank == 0 else None
     world.agree(error)
@@ -121,16 +134,19 @@ def _guarded(fn) -> Any:
     return None
 
 
-def _prepare(world: World, path: str, local: _LocalState) -> tuple[str, list, list]:
-    """Rank 0 creates the tmp dir; every rank learns the token and all ranks' proposals."""
-    token, error = None, None
-    if world.rank == 0:
-        try:
-            token = commit_.prepare(path)
-        except CheckpointError as err:
-            error = str(err)
-        except Exception as err:  # noqa: BLE001
-            error = f"cannot prepare {path} for saving: {type(err).__name__}: {err}"
+def _create_tmp(path: str) -> tuple[str | None, str | None]:
+    """Rank 0: (token of the new tmp directory, None), or (None, why it could not be created)."""
+    try:
+        return commit_.prepare(path), None
+    except CheckpointError as err:
+        return None, str(err)
+    except Exception as err:  # noqa: BLE001 - reported to every rank by the next exchange
+        return None, f"cannot prepare {path} for saving: {type(err).__name__}: {err}"
+
+
+def _exchange_proposals(world: World, token: str | None, error: str | None,
+                        local: _LocalState) -> tuple[str, list, list]:
+    """Every rank learns rank 0's token (or its error) and all ranks' proposals."""
     gathered = world.exchange((token, error, local.declared, local.proposals))
     if gathered[0][1] is not None:
         raise CheckpointError(gathered[0][1])
@@ -148,8 +164,6 @@ def _exchange_chunks(
     gathered = world.exchange((error, records))
     failed = [(rank, e) for rank, (e, _) in enumerate(gathered) if e is not None]
     if failed:
-        if world.rank == 0:
-            commit_.discard(path, token)
         where = f" (on rank {failed[0][0]})" if world.size > 1 else ""
         raise CheckpointError(f"{failed[0][1]}{where}")
     return [r for _, per_rank in gathered for r in per_rank]
@@ -204,12 +218,8 @@ def _finish(path: str, token: str, local: _LocalState, chunks: list[tuple[str, C
     text = Metadata(tensors, local.values).to_json()
     tmp = commit_.tmp_dir(path, token)
     commit_.fault_point("before_metadata", 0)
-    try:
-        with open(os.path.join(tmp, METADATA_FILE), "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError:
-        commit_.discard(path, token)
-        raise
+    with open(os.path.join(tmp, METADATA_FILE), "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     commit_.commit(path, token, 0)
