@@ -241,14 +241,29 @@ class SequenceParallel(ParallelStyle):
 
     For norms and dropout between the tensor-parallel matmuls: their math is independent per
     token, so each rank normalizes its own tokens and the activations between blocks take
-    1/tp of the memory. A plain input is taken to be this rank's sequence shard. The output
-    stays a DTensor unless ``use_local_output``. Parameter gradients come out ``Partial(sum)``
-    (each rank saw some tokens) and are reduced when read.
+    1/tp of the memory. Inputs, as in ``torch.distributed.tensor.parallel``:
+
+    * a plain tensor is this rank's sequence shard: the global sequence is the ranks' shards
+      end to end (tp times as long as the local one when they are even);
+    * a DTensor keeps its values: a replicated one is cut into sequence shards locally (no
+      communication), any other layout is redistributed to ``Shard(sequence_dim)``.
+
+    A plain tensor carries no layout, so handing over the whole (replicated) sequence where a
+    shard is expected would silently multiply the sequence by tp (e.g. a plan that shards the
+    norms but not the embedding feeding them). On its first call the module therefore checks
+    its plain inputs once, with one small all_gather of a 16-byte fingerprint per input: if
+    every rank holds the very same non-constant tensor, it raises on every rank. Pass
+    ``check_plain_inputs=False`` where identical sequence shards are intended.
+
+    The output stays a DTensor unless ``use_local_output``. Parameter gradients come out
+    ``Partial(sum)`` (each rank saw some tokens) and are reduced when read.
     """
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False,
+                 check_plain_inputs: bool = True) -> None:
         self.sequence_dim = sequence_dim
         self.use_local_output = use_local_output
+        self.check_plain_inputs = check_plain_inputs
 
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         for submodule in module.modules():
@@ -256,8 +271,12 @@ class SequenceParallel(ParallelStyle):
                 if not isinstance(param, DTensor):
                     _shard_parameter(submodule, name, mesh, Replicate())
         shard, local = Shard(self.sequence_dim), self.use_local_output
+        unchecked = [self.check_plain_inputs]  # cleared by the first call
 
         def before(mod, inputs):
+            if unchecked[0]:
+                unchecked[0] = False
+                _refuse_replicated_plain_inputs(mod, inputs, mesh, self.sequence_dim)
             return tuple(to_layout(x, mesh, shard, shard) for x in inputs)
 
         def after(mod, inputs, out):
@@ -266,3 +285,63 @@ class SequenceParallel(ParallelStyle):
         module.register_forward_pre_hook(before)
         module.register_forward_hook(after)
         return module
+
+
+_FINGERPRINT_CHUNK = 1 << 22  # bytes per step: bounds the check's temporary memory
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 numbers summarizing ``t``'s bytes, exactly (equal tensors: equal numbers).
+
+    Integer sums do not depend on the reduction order, so ranks holding equal tensors always
+    agree; the position-weighted sum tells apart tensors that are permutations of each other.
+    """
+    raw = t.detach().contiguous().view(-1).view(torch.uint8)
+    total = torch.zeros(2, dtype=torch.int64, device=raw.device)
+    for start in range(0, raw.numel(), _FINGERPRINT_CHUNK):
+        part = raw[start:start + _FINGERPRINT_CHUNK].to(torch.int64)
+        position = torch.arange(start + 1, start + 1 + part.numel(), dtype=torch.int64, device=raw.device)
+        total += torch.stack((part.sum(), (part * position).sum()))
+    return total
+
+
+def _refuse_replicated_plain_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh, sequence_dim: int) -> None:
+    """Raise on every rank if a plain input is the same on all ranks (see SequenceParallel).
+
+    Every rank calls this on the same call of the same module (SPMD), so the all_gather is
+    entered by all; each rank decides from the same gathered numbers.
+    """
+    from shardwise import comm
+
+    n = mesh.size()
+    plain = [x for x in inputs if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)]
+    if n == 1 or not plain:
+        return
+    # Per input: its fingerprint, and whether it is constant (then sameness proves nothing).
+    mine = torch.stack([torch.cat((_fingerprint(x), _is_constant(x))) for x in plain])  # [inputs, 3]
+    everyone = comm.all_gather(mine.unsqueeze(0), mesh, 0, 0, [1] * n)  # [ranks, inputs, 3]
+    for i, x in enumerate(plain):
+        rows = everyone[:, i]
+        if not bool(rows[0, 2]) and bool((rows == rows[0]).all()):
+            seq = x.shape[sequence_dim] if -x.dim() <= sequence_dim < x.dim() else None
+            total = f"{n * seq} instead of {seq}" if seq is not None else f"{n} times as long"
+            raise ValueError(
+                f"SequenceParallel on {describe_module(module)}: its plain input {i} "
+                f"({_render_plain(x)}) is the same tensor on all {n} ranks of {mesh}, but a plain input is "
+                f"taken as this rank's sequence shard (dim {sequence_dim}), which would make the global "
+                f"sequence {total}. Hand it the sequence-sharded activations (e.g. shard the layer "
+                f"before it with output_layouts=Shard({sequence_dim}): RowwiseParallel(input_layouts=Replicate(), "
+                f"output_layouts=Shard({sequence_dim})) on the embedding), or a DTensor (a replicated one is "
+                f"cut into shards); if identical shards are intended, SequenceParallel(check_plain_inputs=False)"
+            )
+
+
+def _is_constant(x: torch.Tensor) -> torch.Tensor:
+    flat = x.detach().reshape(-1)
+    constant = flat.numel() == 0 or bool((flat == flat[0]).all())
+    return torch.tensor([int(constant)], dtype=torch.int64, device=x.device)
+
+
+def _render_plain(x: torch.Tensor) -> str:
+    dtype = str(x.dtype).removeprefix("torch.")
+    return f"{dtype}{list(x.shape)}"
