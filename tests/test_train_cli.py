@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHED = ["--nproc", "2"]  # a job the CLI would launch workers for (refusal_in_launcher fails the test then)
 TINY = ["--config", "tiny", "--steps", "20", "--global-batch", "8", "--seq-len", "32", "--seed", "7",
         "--device", "cpu", "--log-every", "1000"]
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE")
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 # ---------------------------------------------------------------------- output files
@@ -168,9 +168,10 @@ def test_a_launched_run_holds_its_checkpoint_dir_until_it_ends_and_prints_its_la
 
 # ---------------------------------------------------------------------- --nproc under a launcher
 def _as_rank_zero(monkeypatch, world: int) -> None:
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", str(world))
+    """The environment torchrun gives rank 0 of a ``world``-process job."""
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", str(world)),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("TORCHELASTIC_RUN_ID", "test")):
+        monkeypatch.setenv(name, value)
 
 
 def test_nproc_under_a_launcher_must_be_left_out_or_equal_the_world_size(monkeypatch, capsys):
@@ -179,8 +180,8 @@ def test_nproc_under_a_launcher_must_be_left_out_or_equal_the_world_size(monkeyp
     assert cli.worker() == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert "--nproc 2 differs from the launcher's world size 1: under a launcher (torchrun) the launcher sets " \
-           "the number of processes" in err and "put --nproc-per-node before -m" in err, err
+    assert "--nproc 2 differs from the launcher's world size 1: under a launcher the launcher sets the number of " \
+           "processes (torchrun: --nproc-per-node, before the program)" in err and "is best left out" in err, err
     _as_rank_zero(monkeypatch, 2)
     assert cli.job_from_argv([]).nproc == 2 and cli.job_from_argv(["--nproc", "2"]).nproc == 2
     for name in LAUNCHER_ENV:
@@ -188,7 +189,8 @@ def test_nproc_under_a_launcher_must_be_left_out_or_equal_the_world_size(monkeyp
     assert cli.job_from_argv([]).nproc == 1 and cli.job_from_argv(["--nproc", "4"]).nproc == 4
     nproc_help = _option_help(cli.build_parser().format_help())["--nproc"]
     assert "local processes this command starts (default: 1)" in nproc_help
-    assert "the launcher sets the world size" in nproc_help and "--nproc-per-node" in nproc_help
+    assert "the launcher sets the world size, so leave --nproc out (it is accepted only if equal to it)" in nproc_help
+    assert "ambiguous abbreviation of its own --nproc-per-node" in nproc_help
 
 
 # ---------------------------------------------------------------------- layout and degrees

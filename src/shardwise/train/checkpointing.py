@@ -18,6 +18,13 @@ The data position is the step: batches are a pure function of (seed, step) (``da
 a run resumed at step N with the same seed draws exactly the batches a run that never stopped
 would. Loading reshards: the target is the new job's model and optimizer, in its own layout
 and world size, whatever the saving job's.
+
+One run per directory: the command line holds ``<dir>/.lock`` for the whole run
+(``run_lock.py``) and refuses a second run on the directory before it trains. That is what
+makes the tidying safe: each save first removes its path's leftover ``step-<N>.tmp-*`` and
+``step-<N>.old-*`` directories (``shardwise.checkpoint.commit.prepare``), which, with the lock
+held, can only be a dead run's, never a live run's save in progress. Nothing here deletes
+anything at start-up. Code that calls ``train`` directly (tests, notebooks) takes no lock.
 """
 
 from __future__ import annotations

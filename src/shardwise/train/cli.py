@@ -9,7 +9,8 @@
 Without a launcher the command starts ``--nproc`` local processes itself (gloo on CPU; nccl
 when --device resolves to cuda); under torchrun it joins the launcher's job, whose size the
 launcher sets (``--nproc`` is then accepted only if it equals that world size: it is this
-command's own process count, not torchrun's ``--nproc-per-node``). The job is validated in the
+command's own process count, not torchrun's ``--nproc-per-node``; torchrun itself rejects
+``--nproc`` anywhere on its command line as an ambiguous abbreviation of that flag). The job is validated in the
 launching process before any worker starts, and again in every worker: a bad job prints one
 ``error:`` line and exits with status 2, without a traceback. Checked there too: the output
 files' directories exist and are writable, the checkpoint flags (``--resume`` needs a committed
@@ -54,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=d.config, metavar="NAME",
                    help="model shapes: " + "; ".join(describe_config(name) for name in CONFIGS))
     p.add_argument("--nproc", type=int, default=None,
-                   help="local processes this command starts (default: 1). Under torchrun (or another launcher) "
-                        "the launcher sets the world size: leave --nproc out there (it is accepted only when it "
-                        "equals the world size; torchrun's own flag is --nproc-per-node, given before -m)")
+                   help="local processes this command starts (default: 1). Under a launcher the launcher sets the "
+                        "world size, so leave --nproc out (it is accepted only if equal to it); torchrun rejects it "
+                        "anyway, as an ambiguous abbreviation of its own --nproc-per-node")
     p.add_argument("--dp-replicate", type=int, default=d.dp_replicate, help="data-parallel replicas (DDP/HSDP)")
     p.add_argument("--dp-shard", type=int, default=d.dp_shard,
                    help="FSDP shards; -1 infers nproc / (dp-replicate x tp), so --dp-replicate 2 with --nproc 4 is "
@@ -113,9 +114,9 @@ def job_from_argv(argv: list[str]) -> JobConfig:
     world = _world_size_from_env()
     if world is not None and ns.nproc is not None and ns.nproc != world:
         raise ConfigError(
-            f"--nproc {ns.nproc} differs from the launcher's world size {world}: under a launcher (torchrun) the "
-            f"launcher sets the number of processes, and --nproc (the processes shardwise.train starts itself "
-            f"without one) must be left out; for torchrun put --nproc-per-node before -m"
+            f"--nproc {ns.nproc} differs from the launcher's world size {world}: under a launcher the launcher sets "
+            f"the number of processes (torchrun: --nproc-per-node, before the program), and --nproc, which counts "
+            f"the processes shardwise.train starts itself without one, is best left out"
         )
     nproc = ns.nproc if ns.nproc is not None else (world or 1)
     fields = {k: v for k, v in vars(ns).items() if k != "nproc"}
@@ -138,7 +139,8 @@ def _check_devices(job: JobConfig) -> None:
 
 
 def _is_rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+    """Rank 0 of a launched job, or a process started without a launcher (a stray RANK aside)."""
+    return not under_launcher() or os.environ.get("RANK") == "0"
 
 
 def _fail(message: str) -> int:

@@ -19,6 +19,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 
 from shardwise.checkpoint.errors import CheckpointError
+from shardwise.launch import under_launcher
 from shardwise.parallel.parallel_dims import ParallelDims
 from shardwise.train.checkpointing import ResumePoint, latest_checkpoint
 from shardwise.train.data import corpus_files
@@ -331,16 +332,26 @@ class JobConfig:
             return
         if os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):
             raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir!r} exists and is not a directory")
-        try:
-            check_not_in_use(self.checkpoint_dir)  # before reading checkpoints another run may be writing
-        except RunLockError as err:
-            raise ConfigError(str(err)) from None
+        self._check_not_in_use()
         point = self._latest_checkpoint()
         if self.resume:
             self._check_resume(point)
         elif point is not None:
             raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir!r} already holds checkpoints (latest "
                               f"{point.path}): pass --resume to continue that run, or use another directory")
+
+    def _check_not_in_use(self) -> None:
+        """No other live run holds the directory (checked before reading checkpoints it may be writing).
+
+        Rank 0 (or the launching process) speaks for the job: it holds the lock, or its parent
+        does. Another rank could read the record while rank 0 is still writing it.
+        """
+        if under_launcher() and os.environ.get("RANK") != "0":
+            return
+        try:
+            check_not_in_use(self.checkpoint_dir)
+        except RunLockError as err:
+            raise ConfigError(str(err)) from None
 
     def _latest_checkpoint(self) -> ResumePoint | None:
         try:
