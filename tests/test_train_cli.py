@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.train import cli
-from shardwise.train.config import CONFIGS, JobConfig, params_label
+from shardwise.train.config import CONFIGS, ConfigError, JobConfig, params_label
 from shardwise.train.plot import write_loss_plot
 from shardwise.train.run_lock import DirectoryInUse, RunLock, hold_for_run, live_holder
 from tests.test_train import _cli, refusal_in_launcher
@@ -64,6 +64,16 @@ def test_plot_into_a_missing_dir_from_the_shell_fails_before_training(tmp_path):
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "its directory" in proc.stderr and "Traceback" not in proc.stderr
     assert time.monotonic() - start < 60
+
+
+def test_under_a_launcher_only_rank_0_checks_the_files_it_writes(monkeypatch, tmp_path):
+    """Rank 0 writes the plot: another host of a torchrun job need not have its directory."""
+    argv = ["--nproc", "2", "--plot", str(tmp_path / "nodir" / "loss.png")]
+    _as_rank_zero(monkeypatch, 2)
+    with pytest.raises(ConfigError, match="its directory .* does not exist"):
+        cli.job_from_argv(argv)
+    monkeypatch.setenv("RANK", "1")
+    assert cli.job_from_argv(argv).plot.endswith("loss.png")
 
 
 def test_a_failed_plot_write_is_not_chained_under_the_missing_matplotlib(monkeypatch, tmp_path):

@@ -27,7 +27,7 @@ import os
 import sys
 
 from shardwise.launch import main_or_launch, under_launcher
-from shardwise.train.config import CONFIGS, ConfigError, JobConfig, describe_config
+from shardwise.train.config import CONFIGS, ConfigError, JobConfig, describe_config, is_lead_process
 from shardwise.train.run_lock import RunLockError, hold_for_run
 
 __all__ = ["build_parser", "job_from_argv", "main", "EXIT_BAD_JOB"]
@@ -138,14 +138,9 @@ def _check_devices(job: JobConfig) -> None:
                           f"(use --device cpu, or torchrun across hosts)")
 
 
-def _is_rank_zero() -> bool:
-    """Rank 0 of a launched job, or a process started without a launcher (a stray RANK aside)."""
-    return not under_launcher() or os.environ.get("RANK") == "0"
-
-
 def _fail(message: str) -> int:
     """Print a bad job once (rank 0 under a launcher) and return its exit status."""
-    if _is_rank_zero():
+    if is_lead_process():
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
     return EXIT_BAD_JOB
 
@@ -155,7 +150,7 @@ def _run_lock(job: JobConfig) -> contextlib.AbstractContextManager:
 
     Under shardwise's own launcher, rank 0 finds its parent holding it and takes nothing.
     """
-    if not job.checkpoint_dir or not _is_rank_zero():
+    if not job.checkpoint_dir or not is_lead_process():
         return contextlib.nullcontext()
     return hold_for_run(job.checkpoint_dir)
 
@@ -174,7 +169,7 @@ def _run(job: JobConfig) -> int:
     """Train on this rank; a checkpoint this job cannot resume from is a bad job too."""
     from shardwise.train.trainer import run_job
 
-    if _is_rank_zero():
+    if is_lead_process():
         print(f"{PROG}: layout: {job.describe_layout()}", flush=True)
     try:
         return run_job(job)

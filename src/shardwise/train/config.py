@@ -26,7 +26,7 @@ from shardwise.train.data import corpus_files
 from shardwise.train.run_lock import RunLockError, check_not_in_use
 
 __all__ = ["ConfigError", "ModelArgs", "CONFIGS", "CONFIG_NOTES", "params_label", "describe_config",
-           "get_model_args", "JobConfig"]
+           "get_model_args", "JobConfig", "is_lead_process"]
 
 
 class ConfigError(ValueError):
@@ -346,7 +346,7 @@ class JobConfig:
         Rank 0 (or the launching process) speaks for the job: it holds the lock, or its parent
         does. Another rank could read the record while rank 0 is still writing it.
         """
-        if under_launcher() and os.environ.get("RANK") != "0":
+        if not is_lead_process():
             return
         try:
             check_not_in_use(self.checkpoint_dir)
@@ -375,7 +375,13 @@ class JobConfig:
                               f"pass --seed {point.train.get('seed')}")
 
     def _check_outputs(self) -> None:
-        """Files written at the end of the run can be written: refused now, not after training."""
+        """Files written at the end of the run can be written: refused now, not after training.
+
+        Only where they are written: rank 0 (or the process without a launcher); another host
+        of a torchrun job need not have the directory.
+        """
+        if not is_lead_process():
+            return
         outputs = {flag: path for flag, path in (("--plot", self.plot), ("--metrics-file", self.metrics_file)) if path}
         for flag, path in outputs.items():
             _check_output_file(flag, path)
@@ -386,6 +392,12 @@ class JobConfig:
         size = sum(os.path.getsize(p) for p in corpus_files())
         if size < self.seq_len + 1:
             raise ConfigError(f"--seq-len {self.seq_len} is longer than the training corpus ({size} bytes)")
+
+
+def is_lead_process() -> bool:
+    """Rank 0 of a launched job, or a process without a launcher (a stray RANK in the shell aside):
+    the one that prints a bad job, writes the output files and holds the checkpoint dir's lock."""
+    return not under_launcher() or os.environ.get("RANK") == "0"
 
 
 def _check_output_file(flag: str, path: str) -> None:
