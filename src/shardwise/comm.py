@@ -10,11 +10,22 @@ all_gather (n-1)*own, reduce_scatter input-own, all_to_all input-kept, all_reduc
 reduce_scatter+all_gather over the flattened tensor, broadcast/scatter what the source sends.
 Uneven all_gather and reduce_scatter travel as ``all_to_all_single`` with split sizes, which
 moves exactly those bytes (padding would move more).
+
+Failures: every collective carries a per-group sequence number (an int bumped on this rank, no
+communication). A collective that does not complete within the collective timeout
+(``set_collective_timeout``, ``$SHARDWISE_COLLECTIVE_TIMEOUT``, default 300 s) raises
+``CollectiveTimeout`` naming it (kind, #seq, mesh axis, group ranks, bytes) and the ranks that
+did not arrive (``shardwise.stall``); one cut short because a peer process went away raises
+``PeerLost``. The hot path pays a dict update and a ``try``; the diagnosis runs only on failure.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -24,7 +35,9 @@ from shardwise.mesh import DeviceMesh
 
 __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "scatter", "broadcast",
-    "all_gather_object", "CommRecorder", "add_recorder", "remove_recorder",
+    "all_gather_object", "barrier", "CommRecorder", "add_recorder", "remove_recorder",
+    "set_collective_timeout", "collective_timeout", "TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost",
 ]
 
 
@@ -44,9 +57,175 @@ def remove_recorder(recorder: CommRecorder) -> None:
     _RECORDERS.remove(recorder)
 
 
-def _record(kind: str, mesh: DeviceMesh, axis: int, bytes_sent: int) -> None:
-    for recorder in _RECORDERS:
-        recorder.record(kind, mesh, axis, bytes_sent)
+# ---------------------------------------------------------------------- timeout
+TIMEOUT_ENV = "SHARDWISE_COLLECTIVE_TIMEOUT"
+# gloo's own default is 30 minutes. Five minutes still covers the longest legitimate wait of a
+# CPU job (one rank alone writing or loading a large checkpoint while the others wait at the
+# next collective) yet turns a dead or stuck rank into an error long before anyone gives up on
+# the job. The trainer sets its own (--collective-timeout).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+_timeout_s: float | None = None
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Fail any collective that has not completed after ``seconds`` (this process).
+
+    Applies to process groups created afterwards (``init_device_mesh`` and the mesh axis groups
+    pass it to ``init_process_group`` / ``new_group``), to the default group and every mesh
+    group already created, and to any other group the first time shardwise issues a collective
+    on it (one created by the user with another timeout included). Takes precedence over
+    ``$SHARDWISE_COLLECTIVE_TIMEOUT``, which acts the same way; with neither set, groups
+    shardwise creates get ``DEFAULT_COLLECTIVE_TIMEOUT_S`` and others keep their own.
+
+    Example:
+        >>> shardwise.comm.set_collective_timeout(60)  # before init_device_mesh
+    """
+    global _timeout_s
+    _timeout_s = _checked_seconds(seconds, "set_collective_timeout")
+    _apply_to_existing_groups(collective_timeout())
+
+
+def collective_timeout() -> timedelta:
+    """The collective timeout: ``set_collective_timeout``, else the env var, else the default."""
+    if _timeout_s is not None:
+        return timedelta(seconds=_timeout_s)
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or raw.strip() == "":
+        return timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"${TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    return timedelta(seconds=_checked_seconds(seconds, f"${TIMEOUT_ENV}"))
+
+
+def _configured() -> bool:
+    """Whether the user chose a timeout (``set_collective_timeout`` or the env var)."""
+    return _timeout_s is not None or bool(os.environ.get(TIMEOUT_ENV, "").strip())
+
+
+def _adopt_timeout(group) -> None:
+    """First collective on ``group``: give it the chosen timeout (a group the user or torchrun
+    created would otherwise keep gloo's 30 minutes)."""
+    set_pg_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
+    if set_pg_timeout is not None and _configured():
+        set_pg_timeout(collective_timeout(), group)
+
+
+def _checked_seconds(seconds: float, where: str) -> float:
+    if not 0 < float(seconds) < math.inf:
+        raise ValueError(f"{where}: the collective timeout must be a positive number of seconds, got {seconds!r}")
+    return float(seconds)
+
+
+def _apply_to_existing_groups(timeout: timedelta) -> None:
+    """Give groups that already exist the new timeout (gloo reads it at every collective)."""
+    if not dist.is_initialized():
+        return
+    from shardwise import mesh as mesh_module
+
+    set_pg_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
+    if set_pg_timeout is None:
+        return
+    for group in {dist.group.WORLD, *mesh_module._GROUPS.values()}:
+        set_pg_timeout(timeout, group)
+
+
+# ---------------------------------------------------------------------- failures
+@dataclass(frozen=True, slots=True)
+class CollectiveCall:
+    """One collective as this rank issued it: what the failure messages name."""
+
+    kind: str
+    seq: int  # 1 for the first collective this rank issued on the group, 2 for the next...
+    group_ranks: tuple[int, ...]
+    axis: str | None  # the mesh axis name; None for the whole world (barrier)
+    nbytes: int
+
+    def describe(self) -> str:
+        """E.g. ``all_reduce #12 over mesh axis 'dp' (ranks [0, 1], 16 B)``."""
+        where = f"mesh axis {self.axis!r}" if self.axis is not None else "all ranks"
+        return f"{self.kind} #{self.seq} over {where} (ranks {list(self.group_ranks)}, {_size(self.nbytes)})"
+
+    def key(self) -> tuple:
+        """What two ranks must agree on to be in the same collective."""
+        return (self.kind, self.seq, self.group_ranks)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+class CollectiveError(RuntimeError):
+    """A collective issued by shardwise failed; ``call`` says which."""
+
+    def __init__(self, message: str, call: CollectiveCall, rank: int) -> None:
+        super().__init__(message)
+        self.call = call
+        self.rank = rank
+
+
+class CollectiveTimeout(CollectiveError):
+    """The collective did not complete in time; ``missing`` are the ranks that did not arrive
+    (None when they could not be determined)."""
+
+    def __init__(self, message: str, call: CollectiveCall, rank: int, missing: tuple[int, ...] | None) -> None:
+        super().__init__(message, call, rank)
+        self.missing = missing
+
+
+class PeerLost(CollectiveError):
+    """A peer's connection closed mid-collective: it exited or crashed (its own report names why)."""
+
+
+# gloo's wording (torch 2.6-2.13): "Timed out waiting 5000ms for recv operation to complete";
+# a peer that exits: "Connection closed by peer", or a reset / broken pipe on the socket.
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms|timed out after|Timeout waiting", re.IGNORECASE)
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket closed",
+                        re.IGNORECASE)
+
+# Per process group: collectives this rank has issued on it (the ``#seq`` of the messages).
+_SEQ: dict[object, int] = {}
+
+
+def _issue(kind: str, mesh: DeviceMesh | None, axis: int, nbytes: int, collective: Callable, *args, **kwargs):
+    """Run ``collective(*args, group=..., **kwargs)`` on the mesh axis's group: record it, number
+    it, and turn a gloo timeout or lost peer into an error that names it."""
+    group = mesh.get_group(axis) if mesh is not None else dist.group.WORLD
+    seq = _SEQ[group] = _SEQ.get(group, 0) + 1
+    if seq == 1:
+        _adopt_timeout(group)
+    if mesh is not None:
+        for recorder in _RECORDERS:
+            recorder.record(kind, mesh, axis, nbytes)
+    try:
+        return collective(*args, group=group, **kwargs)
+    except RuntimeError as err:
+        failure = _failure(err, kind, seq, group, mesh, axis, nbytes)
+        if failure is None:
+            raise
+        raise failure from err
+
+
+def _failure(err: RuntimeError, kind: str, seq: int, group, mesh, axis, nbytes) -> CollectiveError | None:
+    """The error to raise for a failed collective, or None to re-raise gloo's own."""
+    text = str(err)
+    timed_out, peer_gone = _TIMED_OUT.search(text), _PEER_GONE.search(text)
+    if not (timed_out or peer_gone):
+        return None
+    call = CollectiveCall(kind, seq, tuple(dist.get_process_group_ranks(group)),
+                          mesh.axis_name(axis) if mesh is not None else None, nbytes)
+    rank = dist.get_rank()
+    if peer_gone:
+        return PeerLost(f"rank {rank}: {call.describe()} failed: a peer closed its connection (it exited "
+                        f"or crashed; its own report names the cause)", call, rank)
+    from shardwise import stall
+
+    missing, text = stall.diagnose(call, rank, collective_timeout().total_seconds())
+    return CollectiveTimeout(text, call, rank, missing)
 
 
 # torch 2.13 renamed these; older releases (>= 2.6) only have the old names.
@@ -76,10 +255,11 @@ def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.movedim(dim, 0).contiguous()
 
 
-def _a2a_flat(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
-    """all_to_all_single over flat buffers with element counts per peer."""
+def _a2a_flat(kind: str, mesh: DeviceMesh, axis: int, nbytes: int,
+              send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    """all_to_all_single over flat buffers with element counts per peer (issued as ``kind``)."""
     recv = send.new_empty(sum(recv_counts))
-    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+    _issue(kind, mesh, axis, nbytes, dist.all_to_all_single, recv, send, recv_counts, send_counts)
     return recv
 
 
@@ -91,15 +271,14 @@ def all_gather(
     rest = _rest(shard, dim)
     if sum(lengths) * rest == 0:
         return _empty_cat(shard, dim, sum(lengths))
-    group = mesh.get_group(axis)
-    _record("all_gather", mesh, axis, (n - 1) * _nbytes(shard))
+    nbytes = (n - 1) * _nbytes(shard)
     rows = _rows_first(shard, dim)  # [len_me, *rest]
     if len(set(lengths)) == 1:
         out = rows.new_empty((lengths[0] * n, *rows.shape[1:]))
-        _all_gather_single(out, rows, group=group)
+        _issue("all_gather", mesh, axis, nbytes, _all_gather_single, out, rows)
     else:
         flat = rows.reshape(-1).repeat(n)
-        recv = _a2a_flat(flat, [rows.numel()] * n, [l * rest for l in lengths], group)
+        recv = _a2a_flat("all_gather", mesh, axis, nbytes, flat, [rows.numel()] * n, [l * rest for l in lengths])
         out = recv.view(sum(lengths), *rows.shape[1:])
     return out.movedim(0, dim)
 
@@ -122,14 +301,14 @@ def reduce_scatter(
     rest = _rest(full, dim)
     if full.numel() == 0:
         return full.narrow(dim, sum(lengths[:me]), lengths[me]).clone()
-    group = mesh.get_group(axis)
-    _record("reduce_scatter", mesh, axis, (full.shape[dim] - lengths[me]) * rest * full.element_size())
+    nbytes = (full.shape[dim] - lengths[me]) * rest * full.element_size()
     rows = _rows_first(full, dim)
     if len(set(lengths)) == 1:
         out = rows.new_empty((lengths[0], *rows.shape[1:]))
-        _reduce_scatter_single(out, rows, op=_REDUCE_OPS[op], group=group)
+        _issue("reduce_scatter", mesh, axis, nbytes, _reduce_scatter_single, out, rows, op=_REDUCE_OPS[op])
     else:
-        recv = _a2a_flat(rows.reshape(-1), [l * rest for l in lengths], [lengths[me] * rest] * n, group)
+        recv = _a2a_flat("reduce_scatter", mesh, axis, nbytes, rows.reshape(-1),
+                         [l * rest for l in lengths], [lengths[me] * rest] * n)
         out = _LOCAL_REDUCE[op](recv.view(n, lengths[me], *rows.shape[1:]))
     return _finish_avg(out, op, n).movedim(0, dim)
 
@@ -141,8 +320,8 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, axis: int, op: str) -> to
     if tensor.numel() == 0:
         return out
     own = -(-tensor.numel() // n)
-    _record("all_reduce", mesh, axis, (tensor.numel() + (n - 2) * own) * tensor.element_size())
-    dist.all_reduce(out, op=_REDUCE_OPS[op], group=mesh.get_group(axis))
+    nbytes = (tensor.numel() + (n - 2) * own) * tensor.element_size()
+    _issue("all_reduce", mesh, axis, nbytes, dist.all_reduce, out, op=_REDUCE_OPS[op])
     return _finish_avg(out, op, n)
 
 
@@ -170,7 +349,7 @@ def all_to_all(
     pieces = [tensor.narrow(split_dim, offsets[s], split_lengths[s]) for s in range(n)]
     send = torch.cat([p.reshape(-1) for p in pieces])
     kept = pieces[me].numel()
-    _record("all_to_all", mesh, axis, (send.numel() - kept) * tensor.element_size())
+    nbytes = (send.numel() - kept) * tensor.element_size()
     piece_shape = list(tensor.shape)
     piece_shape[split_dim] = split_lengths[me]
     per_peer = []
@@ -178,7 +357,8 @@ def all_to_all(
         shape = list(piece_shape)
         shape[cat_dim] = cat_lengths[s]
         per_peer.append(shape)
-    recv = _a2a_flat(send, [p.numel() for p in pieces], [math.prod(s) for s in per_peer], mesh.get_group(axis))
+    recv = _a2a_flat("all_to_all", mesh, axis, nbytes, send, [p.numel() for p in pieces],
+                     [math.prod(s) for s in per_peer])
     chunks = torch.split(recv, [math.prod(s) for s in per_peer])
     return torch.cat([c.view(s) for c, s in zip(chunks, per_peer)], dim=cat_dim)
 
@@ -195,16 +375,13 @@ def scatter(
     width = max(lengths)
     if width * rest == 0:
         return full.narrow(dim, sum(lengths[:me]), lengths[me]).clone()
-    group = mesh.get_group(axis)
     rows = _rows_first(full, dim)
     out = rows.new_empty((width, *rows.shape[1:]))
-    pieces = None
+    pieces, nbytes = None, 0
     if me == src:
-        _record("scatter", mesh, axis, (n - 1) * width * rest * full.element_size())
+        nbytes = (n - 1) * width * rest * full.element_size()
         pieces = [_padded(p, width) for p in torch.split(rows, list(lengths))]
-    else:
-        _record("scatter", mesh, axis, 0)
-    dist.scatter(out, pieces, group_src=src, group=group)
+    _issue("scatter", mesh, axis, nbytes, dist.scatter, out, pieces, group_src=src)
     return out[: lengths[me]].movedim(0, dim)
 
 
@@ -221,20 +398,18 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, axis: int, src: int) -> to
     if out.numel() == 0:
         return out
     me = mesh.get_local_rank(axis)
-    _record("broadcast", mesh, axis, _nbytes(out) if me == src else 0)
-    dist.broadcast(out, group_src=src, group=mesh.get_group(axis))
+    _issue("broadcast", mesh, axis, _nbytes(out) if me == src else 0, dist.broadcast, out, group_src=src)
     return out
 
 
 def all_gather_object(obj: object, mesh: DeviceMesh, axis: int) -> list:
     """Every rank's ``obj`` along the axis (metadata exchange: shapes, checksums)."""
     out: list = [None] * mesh.size(axis)
-    _record("all_gather_object", mesh, axis, 0)
-    dist.all_gather_object(out, obj, group=mesh.get_group(axis))
+    _issue("all_gather_object", mesh, axis, 0, dist.all_gather_object, out, obj)
     return out
 
 
 def barrier() -> None:
     """Wait until every rank of the default group arrives (before tearing the group down, so
     no rank destroys its connections while a peer is still finishing a collective)."""
-    dist.barrier()
+    _issue("barrier", None, 0, 0, dist.barrier)

@@ -36,7 +36,10 @@ def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup:
         if ranks == tuple(range(dist.get_world_size())):
             group = dist.group.WORLD
         else:
-            group = dist.new_group(list(ranks))
+            from shardwise.comm import collective_timeout  # here: comm imports this module
+
+            # new_group's own default is gloo's 30 minutes, whatever the default group has.
+            group = dist.new_group(list(ranks), timeout=collective_timeout())
         _GROUPS[ranks] = group
     return group
 

@@ -11,6 +11,19 @@ started without a launcher). Steps:
 4. The loop: forward, loss (under ``loss_parallel`` when asked), backward, step; a checkpoint
    every ``--checkpoint-every`` steps and after the last one; progress every ``log_every``
    steps and a summary at the end (rank 0), the loss curve and metrics file.
+
+How a job stops early (``shardwise.failfast`` does the ending; see there):
+
+* a non-finite loss: checked at every progress, checkpoint and last step from the first
+  non-finite step of any rank (one all_reduce, so every rank stops at the same step and none
+  trains on alone); no checkpoint of a diverged step is saved; rank 0 prints one ``error:``
+  line naming the step, status ``EXIT_NON_FINITE_LOSS``;
+* Ctrl-C / SIGINT: rank 0 prints ``interrupted at step N`` (the step in progress), with
+  ``--checkpoint-dir`` the latest committed checkpoint, and every rank exits with status 130;
+* a collective that does not complete within ``--collective-timeout`` seconds: every waiting
+  rank reports it, naming the ranks that did not arrive (``shardwise.comm``);
+* any other error on one rank: that rank reports it and exits; the process group is closed
+  (barrier, teardown) on the success path only, so no rank waits for a peer that failed.
 """
 
 from __future__ import annotations
@@ -18,17 +31,20 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardwise import comm
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.clip_grad import clip_grad_norm_
+from shardwise.failfast import interrupt_context
 from shardwise.launch import close_process_group, under_launcher
 from shardwise.parallel.parallel_dims import ParallelDims
-from shardwise.train.checkpointing import Checkpointer, TrainState, make_checkpointer
+from shardwise.train.checkpointing import Checkpointer, TrainState, latest_checkpoint, make_checkpointer
 from shardwise.train.config import ConfigError, JobConfig
 from shardwise.train.data import BatchSource, load_corpus
 from shardwise.train.metrics import RunMetrics
@@ -36,7 +52,10 @@ from shardwise.train.model import Transformer
 from shardwise.train.parallelize import ParallelOptions, fsdp_applies_mixed_precision, parallelize_llama
 from shardwise.train.plot import write_loss_plot
 
-__all__ = ["Runtime", "resolve_device", "run_job", "train", "lr_factor", "build_model", "loss_fn"]
+__all__ = ["Runtime", "resolve_device", "run_job", "train", "lr_factor", "build_model", "loss_fn",
+           "Progress", "NonFiniteLoss", "EXIT_NON_FINITE_LOSS"]
+
+EXIT_NON_FINITE_LOSS = 3
 
 
 def resolve_device(choice: str) -> str:
@@ -80,8 +99,9 @@ class Runtime:
             device = torch.device("cuda", local_rank)
         else:
             device = torch.device("cpu")
+        comm.set_collective_timeout(job.collective_timeout)  # also the groups the meshes create
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=comm.collective_timeout())
         from shardwise.mesh import DeviceMesh
 
         world = dist.get_world_size()
@@ -89,8 +109,65 @@ class Runtime:
         return cls(device, dist.get_rank(), world, dims, dims.build_mesh(device_type), flat)
 
     def close(self) -> None:
+        """Close the process group (a barrier first): on the success path only."""
         if self.world_mesh is not None:
             close_process_group()
+
+
+@dataclass
+class Progress:
+    """Where the job is, for the line an interruption prints (read from the signal thread)."""
+
+    step: int = 0  # the step in progress, 1-based; 0 before the first
+    finished: bool = False
+
+    def describe(self, checkpoint_dir: str | None) -> str:
+        """``at step 5; latest checkpoint: ckpt/step-4 (--resume continues from it)``."""
+        if self.finished:
+            where = f"after the last step ({self.step})"
+        else:
+            where = f"at step {self.step}" if self.step else "during start-up"
+        return where + (_latest_checkpoint_note(checkpoint_dir) if checkpoint_dir else "")
+
+
+def _latest_checkpoint_note(directory: str) -> str:
+    try:
+        point = latest_checkpoint(directory)
+    except CheckpointError as err:
+        return f"; the latest checkpoint in {directory} is unreadable: {err}"
+    if point is None:
+        return f"; no checkpoint saved in {directory} yet"
+    return f"; latest checkpoint: {point.path} (step {point.step}; --resume continues from it)"
+
+
+class NonFiniteLoss(Exception):
+    """The loss became nan or inf; every rank raises it at the same check."""
+
+    def __init__(self, step: int, lr: float) -> None:
+        super().__init__(f"the loss is not finite (nan or inf) at step {step}: training diverged (--lr {lr:g}); "
+                         f"stopped without saving it (lower --lr, or clip gradients with --max-norm)")
+        self.step = step
+
+
+class _FiniteCheck:
+    """The first step whose local loss was not finite, agreed by all ranks when asked.
+
+    ``record`` is a tensor op (no host sync, no communication); ``first_bad`` takes the
+    minimum over every rank (one all_reduce), so all ranks see the same step or None.
+    """
+
+    def __init__(self, flat_mesh, device: torch.device) -> None:
+        self._mesh = flat_mesh
+        self._first = torch.full((1,), math.inf, dtype=torch.float64, device=device)
+
+    def record(self, loss: torch.Tensor, step: int) -> None:
+        bad = ~torch.isfinite(loss.detach().reshape(1)) & torch.isinf(self._first)
+        self._first = torch.where(bad, torch.full_like(self._first, step), self._first)
+
+    def first_bad(self) -> int | None:
+        first = self._first if self._mesh is None else comm.all_reduce(self._first, self._mesh, 0, "min")
+        value = first.item()
+        return None if math.isinf(value) else int(value)
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -140,18 +217,39 @@ def _say(runtime: Runtime, text: str) -> None:
 
 
 def run_job(job: JobConfig) -> int:
-    """Train ``job`` on this rank (joining or starting its process group); return the exit status."""
-    runtime = Runtime.create(job)
-    try:
-        metrics = train(job, runtime)
+    """Train ``job`` on this rank (joining or starting its process group); return the exit status.
+
+    An error leaves the process group open on purpose (closing starts with a barrier that a
+    failed peer never reaches): the caller ends the process (``failfast.run_worker``).
+    """
+    progress = Progress()
+    with interrupt_context(lambda: progress.describe(job.checkpoint_dir)):
+        runtime = Runtime.create(job)
+        try:
+            metrics = train(job, runtime, progress)
+        except NonFiniteLoss as err:
+            if runtime.rank == 0:
+                print(f"shardwise.train: error: {err}", file=sys.stderr, flush=True)
+            runtime.close()  # every rank stopped at the same check
+            return EXIT_NON_FINITE_LOSS
         _finish(job, runtime, metrics)
-    finally:
         runtime.close()
     return 0
 
 
-def train(job: JobConfig, runtime: Runtime) -> RunMetrics:
-    """Run the job's steps on this rank; return what was measured (losses on every rank)."""
+def _check_due(job: JobConfig, step: int) -> bool:
+    """Agree on the loss being finite before a progress line, a checkpoint, and at the end."""
+    periodic_save = job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0
+    return step % job.log_every == 0 or step == job.last_step or bool(periodic_save)
+
+
+def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) -> RunMetrics:
+    """Run the job's steps on this rank; return what was measured (losses on every rank).
+
+    Raises:
+        NonFiniteLoss: on every rank at the same step, when the loss became nan or inf.
+    """
+    progress = progress if progress is not None else Progress()
     args = job.model_args()
     _say(runtime, f"shardwise.train: config {job.config!r} ({args.num_params() / 1e6:.2f}M params), "
                   f"{job.nproc} rank(s) on {runtime.device.type}, layout {job.layout()}, "
@@ -165,8 +263,10 @@ def train(job: JobConfig, runtime: Runtime) -> RunMetrics:
     data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
     metrics = RunMetrics(job.global_batch * job.seq_len, job.steps, runtime.dp_mesh, runtime.flat_mesh,
                          runtime.device, runtime.rank)
+    finite = _FiniteCheck(runtime.flat_mesh, runtime.device)
     metrics.start()
     for step in range(first, job.last_step):
+        progress.step = step + 1
         inputs, labels = (t.to(runtime.device) for t in data.batch_at(step))
         with _step_context(job, runtime):
             loss = loss_fn(model(inputs), labels)
@@ -174,13 +274,19 @@ def train(job: JobConfig, runtime: Runtime) -> RunMetrics:
         if job.max_norm > 0:
             clip_grad_norm_(model.parameters(), job.max_norm)
         optimizer.step()
+        metrics.record_state(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
-        metrics.record_step(_local_value(loss), scheduler.get_last_lr()[0])
+        value = _local_value(loss)
+        metrics.record_step(value, scheduler.get_last_lr()[0])
+        finite.record(value, step + 1)
         scheduler.step()
         state.step = step + 1
+        if _check_due(job, state.step) and (bad := finite.first_bad()) is not None:
+            raise NonFiniteLoss(bad, job.lr)
         checkpointer.after_step(state)
         if state.step % job.log_every == 0 or state.step == job.last_step:
             metrics.flush(state.step)
+    progress.finished = True
     return metrics
 
 
