@@ -101,8 +101,8 @@ def test_command_line_run_launches_reports_and_matches(tmp_path, reference):
 
 # ---------------------------------------------------------------------- bad jobs
 BAD_JOBS = [
-    (["--nproc", "4", "--tp", "2", "--dp-shard", "4"], r"dp_replicate\*dp_shard\*cp\*tp\*pp = 8 must equal world_size 4"),
-    (["--nproc", "4", "--tp", "3"], r"world_size 4 is not divisible by .*tp\*pp = 3"),
+    (["--nproc", "4", "--tp", "2", "--dp-shard", "4"], r"--dp-replicate 1 x --dp-shard 4 x --tp 2 = 8 must equal the number of processes 4"),
+    (["--nproc", "4", "--tp", "3"], r"cannot infer --dp-shard: the number of processes 4 .* is not divisible by --dp-replicate 1 x --tp 3 = 3"),
     (["--nproc", "4", "--global-batch", "6"], r"--global-batch 6 is not divisible by the data-parallel degree .* = 4"),
     (["--nproc", "3", "--tp", "3", "--config", "tiny"], r"--tp 3 must divide the attention heads of config 'tiny': n_heads=8, n_kv_heads=4"),
     (["--nproc", "8", "--tp", "8", "--config", "tiny"], r"--tp 8 must divide .* n_kv_heads=4"),
@@ -164,7 +164,7 @@ def test_bad_job_from_the_shell_exits_2_without_traceback():
     proc = _cli(["--nproc", "4", "--tp", "2", "--dp-shard", "4"], timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
-    assert proc.stderr.strip().count("\n") == 0 and "must equal world_size 4" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "must equal the number of processes 4" in proc.stderr
 
 
 def _must_not_launch(*args, **kwargs):
