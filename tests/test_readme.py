@@ -3,7 +3,7 @@
 The blocks and their ``<!-- readme-test: ... -->`` markers are read by
 ``scripts/readme_blocks.py`` (its docstring defines the markers). Python blocks are saved as
 ``example.py`` in a fresh directory and started the way their first line tells the reader
-(``torchrun --nproc-per-node N`` / ``python -m shardwise.launch --nproc N`` / ``python``); bash
+(``torchrun --standalone --nproc-per-node N`` / ``python -m shardwise.launch --nproc N`` / ``python``); bash
 blocks run from the repository root. ``pip install`` commands are not re-run here (this
 environment is such an install; ``.ci/run`` runs them in a fresh virtual environment): their
 torch pin must be the installed torch and their extras must exist. Everything runs with only
@@ -35,7 +35,7 @@ RUNNABLE = [b for b in BLOCKS if b.kind != "skip"]
 MAX_SKIPS = 3
 TIMEOUT_S = 240
 LAUNCH_LINE = {
-    "torchrun": "# {n} processes: torchrun --nproc-per-node {n} example.py",
+    "torchrun": "# {n} processes: torchrun --standalone --nproc-per-node {n} example.py",
     "launch": "# {n} processes: python -m shardwise.launch --nproc {n} example.py",
 }
 
