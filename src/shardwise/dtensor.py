@@ -7,17 +7,17 @@ local blocks and inserts the communication the layouts require.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Sequence
 
 import torch
 
-from shardwise import comm
+from shardwise import blocks
 from shardwise.dispatch import dispatch
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, Replicate, Shard, as_placements
+from shardwise.redistribute.cross_mesh import check_same_ranks
 from shardwise.redistribute.function import FromLocal, Redistribute, ToLocal
-from shardwise.spec import DTensorSpec, TensorMeta, contiguous_stride
+from shardwise.spec import DTensorSpec, TensorMeta, contiguous_stride, render_layout
 
 __all__ = ["DTensor"]
 
@@ -87,14 +87,28 @@ class DTensor(torch.Tensor):
             local_tensor: this rank's block.
             device_mesh: the mesh (default: a 1-D mesh over the world).
             placements: one per mesh axis (default: all Replicate).
-            run_check: verify with communication that ranks agree (replicas equal, block
-                shapes consistent with ``shape``); raises on every rank otherwise.
-            shape, stride: the global shape and stride. Without them the global shape is
-                inferred: from the local shape when blocks are even, by gathering every
-                rank's block size when they may not be.
+            run_check: gather every rank's block metadata now (one all_gather_object per mesh
+                axis) and verify that the blocks form one layout: same dtype, same size in every
+                unsharded dim, sharded dims split as torch.chunk splits the global size, the same
+                memory layout, equal values along Replicate axes. Any disagreement raises one
+                ValueError on every rank naming the ranks and their values.
+            shape, stride: the global shape and stride. Without ``shape`` the global shape is
+                inferred: with ``run_check`` from every rank's block (uneven blocks allowed);
+                without it from this rank's block alone, ASSUMING EVEN BLOCKS (a sharded dim's
+                global size is this block's size times the ranks sharding it). Pass ``shape``
+                for uneven blocks.
+
+        Without ``run_check`` nothing is communicated here; the ranks' agreement (same global
+        shape, each block the piece its rank should hold) is confirmed before the next
+        redistribute on this mesh (one all_reduce of 24 bytes per mesh axis), and a mistake
+        raises a ValueError there on every rank rather than reaching the communication backend
+        as a size mismatch.
 
         Returns:
             A DTensor that is a view of ``local_tensor`` (differentiable).
+
+        Example:
+            >>> dt = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])  # 4 ranks: f32[8@tp,3]
         """
         from shardwise.api import default_mesh
 
@@ -103,10 +117,12 @@ class DTensor(torch.Tensor):
                       else (Replicate(),) * mesh.ndim)
         if mesh.device_type != local_tensor.device.type and local_tensor.device.type == "cpu":
             local_tensor = local_tensor.to(mesh.device_type)
-        meta = _global_meta(local_tensor, mesh, placements, shape, stride, run_check)
-        spec = DTensorSpec(mesh, placements, meta)
-        if run_check:
-            _check_blocks(local_tensor, spec)
+        if shape is None and stride is not None:
+            raise ValueError("from_local: pass shape together with stride")
+        if run_check and mesh.get_coordinate() is not None:
+            spec = _checked_spec(local_tensor, mesh, placements, shape, stride)
+        else:
+            spec = _unchecked_spec(local_tensor, mesh, placements, shape, stride)
         return FromLocal.apply(local_tensor, spec)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -127,17 +143,24 @@ class DTensor(torch.Tensor):
         """The same logical tensor laid out by ``placements``, with the cheapest communication.
 
         Partial may be a target (for gradients); going from one Partial op to another reduces
-        first. Changing the mesh is not supported.
+        first. ``device_mesh`` may be another mesh over the same ranks (reshaped, flattened,
+        renamed axes, ranks in another order): the tensor is relabelled onto it, for free when
+        every rank keeps its block, else through the cheapest layout on the source mesh whose
+        blocks are the target's (at worst one gather). Meshes over other ranks raise a
+        ValueError saying what to do instead.
+
+        Example:
+            >>> flat = mesh["dp", "tp"].flatten("world")          # the same 4 ranks, one axis
+            >>> y = x.redistribute(flat, [Shard(0)])              # [Shard(0), Shard(0)]: no communication
         """
-        mesh = device_mesh or self._spec.mesh
-        if mesh != self._spec.mesh:
-            raise ValueError(
-                f"redistribute cannot move {self._spec.render()} from {self._spec.mesh} to {mesh}; "
-                "only the placements may change"
-            )
         if placements is None:
             raise ValueError("redistribute needs target placements")
-        dst = self._spec.with_placements(as_placements(placements, "redistribute: placements"))
+        placements = as_placements(placements, "redistribute: placements")
+        mesh = device_mesh or self._spec.mesh
+        if mesh != self._spec.mesh:
+            check_same_ranks(self._spec, mesh)
+            return Redistribute.apply(self, DTensorSpec(mesh, placements, self._spec.tensor_meta))
+        dst = self._spec.with_placements(placements)
         if dst.placements == self._spec.placements:
             return self
         return Redistribute.apply(self, dst)
@@ -155,57 +178,38 @@ class DTensor(torch.Tensor):
         return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=False)
 
 
-def _global_meta(
-    local: torch.Tensor,
-    mesh: DeviceMesh,
-    placements: tuple[Placement, ...],
-    shape: Sequence[int] | None,
-    stride: Sequence[int] | None,
-    run_check: bool,
-) -> TensorMeta:
-    """Global metadata of blocks laid out by ``placements``: given, or inferred."""
+def _unchecked_spec(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
+    shape: Sequence[int] | None, stride: Sequence[int] | None,
+) -> DTensorSpec:
+    """The spec this rank infers on its own (noted, to be confirmed before the next collective)."""
     if shape is not None:
-        shape = torch.Size(shape)
-        stride = tuple(stride) if stride is not None else contiguous_stride(shape)
-        return TensorMeta(shape, stride, local.dtype)
-    if stride is not None:
-        raise ValueError("from_local: pass shape together with stride")
-    probe = DTensorSpec(mesh, placements, TensorMeta(local.shape, tuple(local.stride()), local.dtype))
-    global_shape = list(local.shape)
-    for axis, p in enumerate(probe.placements):
-        if isinstance(p, Shard):
-            sizes = comm.all_gather_object(local.shape[p.dim], mesh, axis) if run_check else None
-            global_shape[p.dim] = sum(sizes) if sizes else global_shape[p.dim] * mesh.size(axis)
-    shape = torch.Size(global_shape)
-    return TensorMeta(shape, contiguous_stride(shape), local.dtype)
+        spec, how = DTensorSpec(mesh, placements, blocks.global_meta(local, shape, stride)), "shape= given"
+    else:
+        probe = DTensorSpec(mesh, placements, TensorMeta(local.shape, contiguous_stride(local.shape), local.dtype))
+        even = blocks.even_shape(local.shape, mesh, probe.placements)
+        meta = TensorMeta(even, contiguous_stride(even), local.dtype)
+        spec, how = DTensorSpec(mesh, probe.placements, meta), "shape inferred assuming even blocks"
+    blocks.note(spec, tuple(local.shape), how)
+    return spec
 
 
-def _check_blocks(local: torch.Tensor, spec: DTensorSpec) -> None:
-    """Raise on every rank unless every rank's block fits ``spec`` and replicas agree.
-
-    Problems found in one slice of the mesh are then swept along every axis in turn, so each
-    rank of the mesh ends up with the same list and raises the same error (none hangs later).
-    """
-    mesh = spec.mesh
-    mine = (tuple(local.shape), spec.local_shape(), _digest(local))
-    problems: set[str] = set()
-    for axis in range(mesh.ndim):
-        seen = comm.all_gather_object(mine, mesh, axis)
-        problems |= {
-            f"rank {i} along axis {mesh.axis_name(axis)} holds a {list(got)} block where the layout needs {list(want)}"
-            for i, (got, want, _) in enumerate(seen) if got != want
-        }
-        if spec.placements[axis].is_replicate() and len({d for _, _, d in seen}) > 1:
-            problems.add(f"replicas differ along axis {mesh.axis_name(axis)}")
-    for axis in range(mesh.ndim):
-        problems = set().union(*comm.all_gather_object(problems, mesh, axis))
+def _checked_spec(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
+    shape: Sequence[int] | None, stride: Sequence[int] | None,
+) -> DTensorSpec:
+    """The spec every rank's block agrees on, or one ValueError raised on every rank."""
+    error, normalized = "", placements
+    try:  # a bad placement for this block is reported with the others, not raised alone
+        meta = TensorMeta(local.shape, contiguous_stride(local.shape), local.dtype)
+        normalized = DTensorSpec(mesh, placements, meta).placements
+    except (ValueError, IndexError) as err:
+        error = str(err)
+    info = blocks.describe_block(local, placements, shape, error)
+    global_shape, problems = blocks.check_blocks(blocks.gather_grid(info, mesh), mesh, normalized)
     if problems:
         raise ValueError(
-            f"from_local(run_check=True): blocks do not form {spec.render()} on {mesh}: "
-            + "; ".join(sorted(problems))
+            f"from_local(run_check=True): the blocks do not form one {render_layout(mesh, normalized, None)} "
+            f"layout on {mesh}: " + "; ".join(problems)
         )
-
-
-def _digest(t: torch.Tensor) -> bytes:
-    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-    return hashlib.sha1(raw.numpy().tobytes()).digest()
+    return DTensorSpec(mesh, normalized, blocks.global_meta(local, global_shape, stride))

@@ -237,11 +237,7 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
         raise UnsupportedOp(f"{describe()}: no DTensor argument")
     meshes = list(dict.fromkeys(dt._spec.mesh for dt in dtensors))
     if len(meshes) > 1:
-        raise ValueError(
-            f"{describe()}: DTensors on different meshes: "
-            + " and ".join(m.describe() for m in meshes)
-            + "; redistribute them onto one mesh first"
-        )
+        raise ValueError(f"{describe()}: {_mixed_meshes(dtensors, meshes)}")
     mesh = meshes[0]
     plain = [(w, t) for w, t in _plain_tensors(args, kwargs, DTensor) if not registry.is_plain_index(func, w, t)]
     implicit = _IMPLICIT[0]
@@ -257,6 +253,23 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
     schema = OpSchema(func, _specs_of(args, DTensor), tuple((k, v) for k, v in zip(kwargs, _specs_of(kwargs.values(), DTensor))), tuple(dt._spec for dt in dtensors))
     meta_args, meta_kwargs = _to_meta(args, DTensor), dict(zip(kwargs, _to_meta(kwargs.values(), DTensor)))
     return propagate(func, schema, tuple(meta_args), meta_kwargs, describe)
+
+
+def _mixed_meshes(dtensors: list, meshes: list) -> str:
+    """Which DTensor is on which mesh, and a move that works (see ``DTensor.redistribute``)."""
+    from shardwise.redistribute.cross_mesh import mesh_ranks
+
+    a = dtensors[0]
+    b = next(dt for dt in dtensors if dt._spec.mesh != a._spec.mesh)
+    where = (f"DTensors on different meshes: {a._spec.mesh.describe()} (a: {a._spec.render()}) and "
+             f"{b._spec.mesh.describe()} (b: {b._spec.render()})")
+    if all(mesh_ranks(m) == mesh_ranks(meshes[0]) for m in meshes):
+        return (f"{where}. The meshes hold the same ranks: move one onto the other's mesh first, e.g. "
+                "`b = b.redistribute(a.device_mesh, a.placements)` (a relabelling, plus a gather only where "
+                "blocks must move between ranks)")
+    return (f"{where}. The meshes hold different ranks, and an op needs its DTensors on one mesh: gather b on its "
+            "ranks (full = b.full_tensor()) and lay it out on a's mesh with "
+            "`distribute_tensor(full, a.device_mesh, a.placements, src_data_rank=None)`")
 
 
 def _ImplicitPlan(mesh) -> OutputPlan:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from shardwise import comm
+from shardwise import blocks, comm
 from shardwise.placement import Placement, Replicate, Shard
+from shardwise.redistribute.cross_mesh import plan_cross_mesh
 from shardwise.redistribute.plan import Plan, Step, plan_redistribute
 from shardwise.spec import DTensorSpec, local_shape_and_offset
 
@@ -23,15 +24,46 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
     """This rank's block of the tensor laid out as ``dst``, given its block under ``src``.
 
     Every rank of the mesh must call this with the same specs: it enters the plan's collectives.
-    A rank outside the mesh holds nothing and returns its (empty) block unchanged.
+    A rank outside the mesh holds nothing and returns its (empty) block unchanged. ``dst`` may
+    be on another mesh over the same ranks (``cross_mesh``).
     """
+    if blocks.PENDING:  # from_local calls not yet confirmed across ranks (see shardwise.blocks)
+        blocks.settle(src.mesh)
+        blocks.settle(dst.mesh)
     if src.mesh.get_coordinate() is None:
         return local
+    if src.mesh != dst.mesh:
+        return _to_other_mesh(local, src, dst)
+    plan = plan_for(src, dst)
+    if plan.collectives:
+        _check_block(local, src, plan)
     layout = list(src.placements)
-    for step in plan_for(src, dst).steps:
+    for step in plan.steps:
         local = _run_step(local, step, src, tuple(layout))
         layout[step.axis] = step.dst
     return local
+
+
+def _to_other_mesh(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
+    """Redistribute on the source mesh so that each rank holds its target block, then relabel
+    (see ``cross_mesh``); what is left on the target mesh is free (local chunks, partitions)."""
+    plan = plan_cross_mesh(src, dst)
+    local = redistribute_local(local, src, src.with_placements(plan.via))
+    landed = DTensorSpec(dst.mesh, plan.landing, dst.tensor_meta)
+    return redistribute_local(local, landed, dst)
+
+
+def _check_block(local: torch.Tensor, spec: DTensorSpec, plan: Plan) -> None:
+    """Refuse to enter a collective with a block that is not this rank's piece of ``spec``: the
+    sizes every rank derives from the spec would not match, and gloo aborts the process."""
+    want = spec.local_shape()
+    if tuple(local.shape) != want:
+        raise ValueError(
+            f"rank {spec.mesh.get_rank()} holds a {list(local.shape)} block of {spec.render()} on {spec.mesh}, "
+            f"where the layout puts a {list(want)} block; not entering {plan.collectives[0]} with it (the ranks "
+            "would disagree on sizes). The block came from DTensor.from_local, a custom op, or a change to "
+            "_local_tensor"
+        )
 
 
 def _lengths(spec: DTensorSpec, layout: tuple[Placement, ...], axis: int, dim: int) -> list[int]:

@@ -32,19 +32,21 @@ def _dtensor_cls():
 
 
 class Redistribute(torch.autograd.Function):
-    """``DTensor -> DTensor`` with another layout on the same mesh."""
+    """``DTensor -> DTensor`` with another layout (on the same mesh, or another over the same ranks)."""
 
     @staticmethod
     def forward(ctx, input, dst: DTensorSpec):  # type: ignore[override]
         src = input._spec
         ctx.src_placements = src.placements
+        ctx.src_mesh = src.mesh
         local = redistribute_local(input._local_tensor, src, dst)
         return _dtensor_cls()(local, dst, requires_grad=False)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        target = grad._spec.with_placements(grad_layout(ctx.src_placements))
-        if target.placements == grad._spec.placements:
+        # Back to the input's mesh too, when the forward changed meshes.
+        target = DTensorSpec(ctx.src_mesh, grad_layout(ctx.src_placements), grad._spec.tensor_meta)
+        if target == grad._spec:
             return grad, None
         return Redistribute.apply(grad, target), None
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from shardwise import comm
+from shardwise import blocks, comm
 from shardwise.dispatch.ops._common import R, aten, bind_arguments, local_block, meta_of, wrap_local
 from shardwise.dispatch.registry import register_layout_handler
 from shardwise.dispatch.strategy import OpSchema
@@ -60,6 +60,7 @@ def _settled(spec: DTensorSpec) -> tuple[Placement, ...]:
 
 
 def _all_reduce(t: torch.Tensor, mesh, axes: list[int], op: str) -> torch.Tensor:
+    blocks.settle(mesh)  # unconfirmed from_local blocks would reach gloo as mismatched sizes
     for axis in axes:
         t = comm.all_reduce(t, mesh, axis, op)
     return t
