@@ -1,5 +1,11 @@
-"""Tools to see what shardwise does: which collectives ran, and how many bytes they moved."""
+"""Tools to see what shardwise does: which collectives ran, where, and which rank holds what.
+
+Mirrors ``torch.distributed.tensor.debug``: ``CommDebugMode`` (counts by shardwise's names or
+torch's collective ops, per module, with bytes) and ``visualize_sharding``.
+"""
 
 from shardwise.debug.comm_mode import CommDebugMode, CommRecord
+from shardwise.debug.counts import CommCounts
+from shardwise.debug.visualize import visualize_sharding
 
-__all__ = ["CommDebugMode", "CommRecord"]
+__all__ = ["CommDebugMode", "CommRecord", "CommCounts", "visualize_sharding"]
