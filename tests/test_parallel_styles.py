@@ -63,6 +63,8 @@ def _tp_block(sequence_parallel: bool, one_input: bool = False):
     rank = torch.distributed.get_rank()
     if sequence_parallel:  # each rank holds its slice of the sequence between blocks
         x = x.detach()[:, rank * SEQ // TP:(rank + 1) * SEQ // TP].requires_grad_()
+        with torch.no_grad():  # SequenceParallel checks its plain inputs on the first call only
+            block(x, rope)
     with CommDebugMode() as forward:
         out = block(x, rope)
     with CommDebugMode() as backward:
