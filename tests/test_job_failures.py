@@ -8,6 +8,11 @@ each test asserts the exit status, how soon after the fault or signal the job en
 line that names the rank, that no rank buried it under tracebacks, and that no process of the
 job is left. Timing bounds are loose (the machine is shared); the behaviour they guard against
 took minutes (a failing rank blocked in a barrier until gloo's timeout) or 30 s (Ctrl-C).
+
+Starting a job costs seconds of CPU (torch imports in every process), waiting on it almost
+none, so the jobs of the selected tests all start together when the first one needs its job
+(``JOBS_OF``); each test then waits for its own. The first such test therefore takes most of
+the time; the module as a whole takes about one job's start-up plus the longest wait.
 """
 
 from __future__ import annotations
@@ -55,6 +60,14 @@ class Job:
                          for s, n in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
         for reader in self._readers:
             reader.start()
+        self.ended_at: float | None = None  # when the top process exited (its reaper's clock)
+        self._ended = threading.Event()
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def _reap(self) -> None:
+        self.proc.wait()
+        self.ended_at = time.time()
+        self._ended.set()
 
     def _read(self, stream, name: str) -> None:
         for line in stream:
@@ -85,17 +98,17 @@ class Job:
         return float(line.rsplit(" at ", 1)[1])
 
     def finish(self, since: float, within: float) -> tuple[int, float]:
-        """Wait for the job to end; return (status, seconds after ``since``). Fails (and kills
-        everything) if it is still running ``within`` seconds after ``since``."""
-        try:
-            status = self.proc.wait(timeout=max(since + within - time.time(), 0.1))
-        except subprocess.TimeoutExpired:
+        """Wait for the job to end; return (status, seconds from ``since`` to its end). Fails
+        (and kills everything) unless it ended within ``within`` seconds after ``since``."""
+        if not self._ended.wait(timeout=max(since + within - time.time(), 0.1)):
             self.kill()
             pytest.fail(f"job still running {within:g} s after the event:\n{self.text()}")
-        took = time.time() - since
+        took = self.ended_at - since
         for reader in self._readers:
             reader.join(timeout=5)
-        return status, took
+        print(f"status {self.proc.returncode}, ended {took:.2f} s after the event")  # shown with -rP
+        assert took <= within, f"job ended {took:.1f} s after the event (bound {within:g} s):\n{self.text()}"
+        return self.proc.returncode, took
 
     def leftovers(self) -> list[int]:
         """Live processes of this job (found by the marker in their environment)."""
@@ -129,18 +142,52 @@ class Job:
                 pass
 
 
-@pytest.fixture
-def jobs():
-    """Start jobs with ``jobs(argv, env)``; whatever is left is killed at the end of the test."""
-    started: list[Job] = []
+def _trainer_ctrl_c(tmp: Path) -> tuple[list[str], dict]:
+    return [*TRAIN, "--nproc", "2", *TINY, "--steps", "100000", "--checkpoint-dir", str(tmp / "ckpt"),
+            "--checkpoint-every", "2"], {}
 
-    def start(argv: list[str], env: dict[str, str] | None = None) -> Job:
-        started.append(Job(argv, env))
-        return started[-1]
 
-    yield start
-    for job in started:
+# The job each launched test checks: test name -> (argv, extra environment), given a tmp dir.
+JOBS_OF = {
+    "test_a_rank_raising_ends_the_trainer_job_at_once_naming_it":
+        lambda tmp: ([*LAUNCH, str(JOBS / "train_fault.py"), *TINY, "--steps", "50"], {"FAULT": "raise:1:3"}),
+    "test_a_rank_raising_under_torchrun_ends_the_job_at_once":
+        lambda tmp: ([*TORCHRUN, "-m", "shardwise.launch", str(JOBS / "collective_fault.py")], {"FAULT": "raise:1:3"}),
+    "test_a_worker_receiving_sigint_alone_ends_the_job_naming_it":
+        lambda tmp: ([*LAUNCH, str(JOBS / "collective_fault.py")], {"FAULT": "sigint:1:3"}),
+    "test_a_rank_killed_without_a_word_is_named":
+        lambda tmp: ([*LAUNCH, str(JOBS / "collective_fault.py")], {"FAULT": "kill:1:3"}),
+    "test_ctrl_c_stops_the_trainer_with_one_line_naming_step_and_checkpoint": _trainer_ctrl_c,
+    "test_ctrl_c_under_torchrun_stops_every_worker_with_one_line":
+        lambda tmp: ([*TORCHRUN, "-m", "shardwise.launch", str(JOBS / "collective_fault.py")], {"STEPS": "100000"}),
+    "test_ctrl_c_stops_a_one_process_run_with_one_line":
+        lambda tmp: ([*TRAIN, *TINY, "--steps", "100000"], {}),
+    "test_a_stalled_rank_is_named_after_the_collective_timeout":
+        lambda tmp: ([sys.executable, "-m", "shardwise.launch", "--nproc", "3", "--collective-timeout", str(TIMEOUT_S),
+                      str(JOBS / "collective_fault.py"), "--flag", "x"], {"FAULT": "stall:1:3", "GROUP": "pair"}),
+    "test_the_trainers_collective_timeout_names_a_stalled_rank":
+        lambda tmp: ([*LAUNCH, str(JOBS / "train_fault.py"), *TINY, "--steps", "50", "--collective-timeout",
+                      str(TIMEOUT_S)], {"FAULT": "stall:1:3"}),
+    "test_a_non_finite_loss_stops_every_rank_at_the_same_step":
+        lambda tmp: ([*TRAIN, "--nproc", "2", *TINY, "--steps", "8", "--lr", "inf"], {"LOCAL_RANK": "1", "RANK": "1"}),
+}
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """The jobs of every selected test of this module, started together; killed at the end."""
+    tmp = tmp_path_factory.mktemp("jobs")
+    selected = {item.originalname for item in request.session.items if item.module.__name__ == __name__}
+    jobs = {name: Job(*spec(tmp)) for name, spec in JOBS_OF.items() if name in selected}
+    yield jobs, tmp
+    for job in jobs.values():
         job.kill()
+
+
+@pytest.fixture
+def job(started, request) -> Job:
+    """This test's job (see ``JOBS_OF``), already running."""
+    return started[0][request.node.originalname]
 
 
 def _no_tracebacks_but(job: Job, rank: int | None, launcher_may_print: bool = False) -> None:
@@ -155,10 +202,9 @@ def _no_tracebacks_but(job: Job, rank: int | None, launcher_may_print: bool = Fa
 
 
 # ---------------------------------------------------------------------- item 2: one rank fails
-def test_a_rank_raising_ends_the_trainer_job_at_once_naming_it(jobs, tmp_path):
+def test_a_rank_raising_ends_the_trainer_job_at_once_naming_it(job):
     """Old: rank 1 blocked in close_process_group's barrier (a finally), rank 0 in its next
     collective: no output and no exit until gloo's 30-minute timeout."""
-    job = jobs([*LAUNCH, str(JOBS / "train_fault.py"), *TINY, "--steps", "50"], {"FAULT": "raise:1:3"})
     status, took = job.finish(job.fault_time(), ENDS_WITHIN_S)
     assert status == 1, job.text()
     last = job.text("err").splitlines()[-1]
@@ -168,10 +214,9 @@ def test_a_rank_raising_ends_the_trainer_job_at_once_naming_it(jobs, tmp_path):
     job.assert_nothing_left()
 
 
-def test_a_rank_raising_under_torchrun_ends_the_job_at_once(jobs):
+def test_a_rank_raising_under_torchrun_ends_the_job_at_once(job):
     """The worker side alone (torchrun is the launcher): the failing rank exits at once, the
     waiting one stays silent until torchrun stops it."""
-    job = jobs([*TORCHRUN, "-m", "shardwise.launch", str(JOBS / "collective_fault.py")], {"FAULT": "raise:1:3"})
     status, took = job.finish(job.fault_time(), ENDS_WITHIN_S)
     assert status != 0, job.text()
     _no_tracebacks_but(job, rank=1, launcher_may_print=True)
@@ -180,9 +225,8 @@ def test_a_rank_raising_under_torchrun_ends_the_job_at_once(jobs):
     job.assert_nothing_left()
 
 
-def test_a_worker_receiving_sigint_alone_ends_the_job_naming_it(jobs):
+def test_a_worker_receiving_sigint_alone_ends_the_job_naming_it(job):
     """The issue's reproduction of item 2: SIGINT to one worker at step 3."""
-    job = jobs([*LAUNCH, str(JOBS / "collective_fault.py")], {"FAULT": "sigint:1:3"})
     status, took = job.finish(job.fault_time(), ENDS_WITHIN_S)
     assert status == 130, job.text()
     assert job.text("err").splitlines()[-1] == "FAILED: rank 1: interrupted at step 3 (the other ranks were stopped)"
@@ -190,10 +234,9 @@ def test_a_worker_receiving_sigint_alone_ends_the_job_naming_it(jobs):
     job.assert_nothing_left()
 
 
-def test_a_rank_killed_without_a_word_is_named(jobs):
+def test_a_rank_killed_without_a_word_is_named(job):
     """SIGKILL (the OOM killer): no report from it; its peers' lost connections are not
     mistaken for the cause."""
-    job = jobs([*LAUNCH, str(JOBS / "collective_fault.py")], {"FAULT": "kill:1:3"})
     status, took = job.finish(job.fault_time(), ENDS_WITHIN_S)
     assert status == 128 + signal.SIGKILL, job.text()
     assert job.text("err").splitlines()[-1].startswith("FAILED: rank 1 was killed by SIGKILL"), job.text()
@@ -202,12 +245,10 @@ def test_a_rank_killed_without_a_word_is_named(jobs):
 
 
 # ---------------------------------------------------------------------- item 3: Ctrl-C
-def test_ctrl_c_stops_the_trainer_with_one_line_naming_step_and_checkpoint(jobs, tmp_path):
-    """Old: 30 s of silence (the barrier deadlock until the agent's SIGKILL), then pages of
-    KeyboardInterrupt tracebacks and 'FAILED: launcher error'."""
-    ckpt = tmp_path / "ckpt"
-    job = jobs([*TRAIN, "--nproc", "2", *TINY, "--steps", "5000", "--checkpoint-dir", str(ckpt),
-                "--checkpoint-every", "2"])
+def test_ctrl_c_stops_the_trainer_with_one_line_naming_step_and_checkpoint(job, started):
+    """Old: up to 30 s of silence (when the barrier deadlocks until the agent's SIGKILL), then
+    pages of KeyboardInterrupt tracebacks and 'FAILED: launcher error'."""
+    ckpt = started[1] / "ckpt"
     job.wait_for(r"^step +4/")
     sent = time.time()
     os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal does
@@ -226,8 +267,7 @@ def test_ctrl_c_stops_the_trainer_with_one_line_naming_step_and_checkpoint(jobs,
     job.assert_nothing_left()
 
 
-def test_ctrl_c_under_torchrun_stops_every_worker_with_one_line(jobs):
-    job = jobs([*TORCHRUN, "-m", "shardwise.launch", str(JOBS / "collective_fault.py")])
+def test_ctrl_c_under_torchrun_stops_every_worker_with_one_line(job):
     job.wait_for(r"^step 5$")
     sent = time.time()
     os.killpg(job.proc.pid, signal.SIGINT)  # torchrun forwards it to its workers
@@ -239,9 +279,8 @@ def test_ctrl_c_under_torchrun_stops_every_worker_with_one_line(jobs):
     job.assert_nothing_left()
 
 
-def test_ctrl_c_stops_a_one_process_run_with_one_line(jobs):
+def test_ctrl_c_stops_a_one_process_run_with_one_line(job):
     """Old: a KeyboardInterrupt traceback and status -2."""
-    job = jobs([*TRAIN, *TINY, "--steps", "5000"])
     job.wait_for(r"^step +3/")
     sent = time.time()
     os.killpg(job.proc.pid, signal.SIGINT)
@@ -252,14 +291,15 @@ def test_ctrl_c_stops_a_one_process_run_with_one_line(jobs):
 
 
 # ---------------------------------------------------------------------- item 4: collective timeout
-def test_a_stalled_rank_is_named_after_the_collective_timeout(jobs):
-    """Rank 1 sleeps before a collective. Old: rank 0 waited on gloo's 30-minute default."""
-    job = jobs([*LAUNCH, "--collective-timeout", str(TIMEOUT_S), str(JOBS / "collective_fault.py")],
-               {"FAULT": "stall:1:3"})
+def test_a_stalled_rank_is_named_after_the_collective_timeout(job):
+    """Three ranks; rank 1 sleeps before an all_reduce over ranks 0 and 1 (a group from
+    new_group, whose own default timeout is gloo's 30 minutes); rank 2 idles. Old: rank 0
+    waited 30 minutes."""
     status, took = job.finish(job.fault_time(), TIMEOUT_S + stall.grace_seconds(TIMEOUT_S) + ENDS_WITHIN_S)
     assert status == 1, job.text()
     assert took >= TIMEOUT_S, job.text()
-    report = (f"rank 0 waited {TIMEOUT_S} s for all_reduce #3 over mesh axis 'world' (ranks [0, 1], 16 B); "
+    assert "argv ['--flag', 'x'] world 3" in job.text("out").splitlines(), job.text()  # python -m shardwise.launch
+    report = (f"rank 0 waited {TIMEOUT_S} s for all_reduce #3 over mesh axis 'pair' (ranks [0, 1], 16 B); "
               f"rank 1 did not arrive")
     assert f"[rank 0] {report}" in job.text("err").splitlines(), job.text()  # the live rank says it
     assert job.text("err").splitlines()[-1] == f"FAILED: {report} (the other ranks were stopped)"
@@ -267,11 +307,8 @@ def test_a_stalled_rank_is_named_after_the_collective_timeout(jobs):
     job.assert_nothing_left()
 
 
-def test_the_trainers_collective_timeout_names_a_stalled_rank(jobs):
-    """--collective-timeout reaches the groups the trainer's meshes create (new_group's own
-    default would be 30 minutes)."""
-    job = jobs([*LAUNCH, str(JOBS / "train_fault.py"), *TINY, "--steps", "50", "--collective-timeout",
-                str(TIMEOUT_S)], {"FAULT": "stall:1:3"})
+def test_the_trainers_collective_timeout_names_a_stalled_rank(job):
+    """--collective-timeout reaches the trainer's process group (gloo's default: 30 minutes)."""
     status, took = job.finish(job.fault_time(), TIMEOUT_S + stall.grace_seconds(TIMEOUT_S) + ENDS_WITHIN_S)
     assert status == 1, job.text()
     last = job.text("err").splitlines()[-1]
@@ -281,20 +318,16 @@ def test_the_trainers_collective_timeout_names_a_stalled_rank(jobs):
 
 
 # ---------------------------------------------------------------------- item 8: non-finite loss
-def test_a_non_finite_loss_stops_every_rank_at_the_same_step(jobs, tmp_path):
+def test_a_non_finite_loss_stops_every_rank_at_the_same_step(job):
     """--lr inf: the first update makes the weights inf, the loss of step 2 is nan. Old: the
-    run trained to its end on nan and exited 0 (saving nan checkpoints). The shell's stray
-    LOCAL_RANK and RANK do not make the launching process a worker."""
-    ckpt = tmp_path / "ckpt"
-    job = jobs([*TRAIN, "--nproc", "2", *TINY, "--steps", "8", "--lr", "inf", "--checkpoint-dir", str(ckpt),
-                "--checkpoint-every", "1"], {"LOCAL_RANK": "1", "RANK": "1"})
+    run trained to its end on nan and exited 0. The shell's stray LOCAL_RANK and RANK do not
+    make the launching process a worker (old: it was taken for one and failed to start)."""
     status, took = job.finish(time.time(), STARTUP_S)
     assert status == 3, job.text()
     errors = [line for line in job.text("err").splitlines() if "error" in line]
     assert errors == ["shardwise.train: error: the loss is not finite (nan or inf) at step 2: training diverged "
                       "(--lr inf); stopped without saving it (lower --lr, or clip gradients with --max-norm)"], job.text()
     assert re.search(r"^step +1/8", job.text("out"), re.MULTILINE) and not re.search(r"^step +2/", job.text("out"))
-    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-1"]
     assert "FAILED" not in job.text() and "Traceback" not in job.text(), job.text()
 
 
@@ -320,18 +353,6 @@ def test_the_variables_every_launcher_sets_make_a_worker(monkeypatch):
 
 
 # ---------------------------------------------------------------------- python -m shardwise.launch
-def test_launch_runs_a_script_on_n_ranks(jobs, tmp_path):
-    script = tmp_path / "hello.py"
-    script.write_text("import sys, torch.distributed as dist\n"
-                      "dist.init_process_group('gloo')\n"
-                      "print(f'rank {dist.get_rank()} of {dist.get_world_size()} argv {sys.argv[1:]}', flush=True)\n"
-                      "dist.destroy_process_group()\n")
-    job = jobs([*LAUNCH, str(script), "--flag", "x"])
-    status, _ = job.finish(time.time(), STARTUP_S)
-    assert status == 0, job.text()
-    assert sorted(job.text("out").splitlines()) == [f"rank {r} of 2 argv ['--flag', 'x']" for r in (0, 1)]
-
-
 def test_launch_command_line(monkeypatch, capsys):
     assert launch._parse(["--nproc", "3", "-m", "pkg.mod", "--nproc", "9"]) == (3, None, ["-m", "pkg.mod", "--nproc", "9"])
     assert launch._parse(["--nproc=2", "--collective-timeout", "7.5", "x.py", "-v"]) == (2, "7.5", ["x.py", "-v"])

@@ -115,15 +115,16 @@ def _say(text: str) -> None:
 
 
 # ---------------------------------------------------------------------- reports
-def _write_report(ending: Ending, line: str, details: str = "") -> None:
-    """The torchelastic error file (when a launcher asked for one) with our line and kind."""
+def _write_report(ending: Ending, line: str, details: str = "", first: bool = False) -> None:
+    """The torchelastic error file (when a launcher asked for one) with our line and kind;
+    ``first``: this rank's failure was the job's first (it won the post in the store)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     now = time.time()
     data = {
         "message": {"message": line, "extraInfo": {"py_callstack": details or line, "timestamp": str(int(now))}},
-        REPORT_KEY: {"kind": ending.value, "line": line, "rank": _rank(), "time": now},
+        REPORT_KEY: {"kind": ending.value, "line": line, "rank": _rank(), "time": now, "first": first},
     }
     partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:  # atomically: the agent parses whatever it finds once the process is gone
@@ -171,15 +172,14 @@ def end_with_failure(exc: BaseException) -> NoReturn:
     if isinstance(cause, CollectiveTimeout):
         _claim(Ending.TIMEOUT)
         line = str(cause)
-        _post_failure(line)
-        _write_report(Ending.TIMEOUT, line, _format(exc))
+        _write_report(Ending.TIMEOUT, line, _format(exc), first=_post_failure(line))
         _say(f"[rank {_rank()}] {line}")
         os._exit(EXIT_FAILED)
     _claim(Ending.ERROR)
     rank = _rank()
     line = f"rank {rank}: {_one_line(exc)}"
     first = _post_failure(line)
-    _write_report(Ending.ERROR, line, _format(exc))
+    _write_report(Ending.ERROR, line, _format(exc), first=first)
     if first:
         _say("".join(f"[rank {rank}] {row}\n" for row in _format(exc).splitlines()))
     else:

@@ -138,10 +138,10 @@ def _report_failure(failures: dict, nproc: int, quiet_codes: tuple[int, ...]) ->
 
 def _order(rank: int, failure) -> tuple:
     report = _report_of(failure)
-    if report:
-        return _PRIORITY.get(report.get("kind"), 4), report.get("time", math.inf), rank
+    if report:  # the rank that printed its traceback (won the store) before the clock
+        return _PRIORITY.get(report.get("kind"), 4), not report.get("first"), report.get("time", math.inf), rank
     stopped = failure.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
-    return _PRIORITY["stopped" if stopped else "no report"], math.inf, rank
+    return _PRIORITY["stopped" if stopped else "no report"], True, math.inf, rank
 
 
 def _report_of(failure) -> dict | None:
