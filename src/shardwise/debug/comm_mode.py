@@ -9,7 +9,7 @@ from typing import Any
 from shardwise import comm
 from shardwise.debug.context import Cause, current_cause
 from shardwise.debug.counts import CommCounts
-from shardwise.debug.module_tracker import GLOBAL, ModuleInfo, ModuleTracker, Phase, _graph_task_id
+from shardwise.debug.module_tracker import GLOBAL, ModuleInfo, ModuleTracker, Phase, current_phase
 from shardwise.mesh import DeviceMesh
 
 __all__ = ["CommDebugMode", "CommRecord"]
@@ -72,8 +72,7 @@ class CommDebugMode:
         """Called by ``comm`` for each collective (the ``CommRecorder`` protocol)."""
         tracker = self._tracker
         modules = tracker.active() if tracker is not None else ()
-        phase = Phase.BACKWARD if _graph_task_id() != -1 else Phase.FORWARD
-        self.records.append(CommRecord(kind, mesh, axis, bytes_sent, modules, phase, current_cause()))
+        self.records.append(CommRecord(kind, mesh, axis, bytes_sent, modules, current_phase(), current_cause()))
 
     def __enter__(self) -> "CommDebugMode":
         self.records.clear()

@@ -35,7 +35,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Phase", "ModuleInfo", "ModuleTracker", "GLOBAL"]
+__all__ = ["Phase", "ModuleInfo", "ModuleTracker", "GLOBAL", "current_phase"]
 
 GLOBAL = "Global"  # the pseudo-module every collective is filed under
 
@@ -57,6 +57,11 @@ class ModuleInfo:
 def _graph_task_id() -> int:
     """The running backward's id, -1 outside backward."""
     return torch._C._current_graph_task_id()
+
+
+def current_phase() -> Phase:
+    """BACKWARD while autograd runs a backward on this thread (hooks, recompute), else FORWARD."""
+    return Phase.BACKWARD if _graph_task_id() != -1 else Phase.FORWARD
 
 
 def _grad_tensors(values: Any) -> list[torch.Tensor]:
@@ -98,9 +103,6 @@ class ModuleTracker:
         self._backward.clear()
 
     # ------------------------------------------------------------------ where are we
-    def phase(self) -> Phase:
-        return Phase.BACKWARD if _graph_task_id() != -1 else Phase.FORWARD
-
     def active(self) -> tuple[str, ...]:
         """Names of the active modules, outermost first (forward stack, then backward ones)."""
         names = list(dict.fromkeys(self._forward))
