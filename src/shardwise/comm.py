@@ -128,7 +128,8 @@ def _apply_to_existing_groups(timeout: timedelta) -> None:
     if set_pg_timeout is None:
         return
     for group in {dist.group.WORLD, *mesh_module._GROUPS.values()}:
-        set_pg_timeout(timeout, group)
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:  # meshes make every slice's group
+            set_pg_timeout(timeout, group)
 
 
 # ---------------------------------------------------------------------- failures

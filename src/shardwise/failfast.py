@@ -66,7 +66,7 @@ class _State:
     """This process's ending (set once) and the installed signal handling."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a signal handler may run inside _claim
         self.stopping = threading.Lock()  # held by the thread acting on a signal
         self.ending: Ending | None = None
         self.where: Callable[[], str] = lambda: ""
