@@ -251,31 +251,49 @@ def even_shape(block: Sequence[int], mesh: DeviceMesh, placements: tuple[Placeme
 
 @dataclass
 class _Notes:
-    """from_local calls on one mesh since its last settle (details of the first few kept)."""
+    """from_local calls on one mesh since its last settle.
 
+    ``note`` only appends (from_local stays cheap); ``_fold`` digests the calls at settle time,
+    or every ``FOLD_EVERY`` calls so that a mesh that is never redistributed stays bounded.
+    """
+
+    raw: list = field(default_factory=list)  # (spec, block shape, how) not yet digested
     count: int = 0
     digest: "hashlib._Hash" = field(default_factory=hashlib.sha1)
     misfit: bool = False
-    calls: list = field(default_factory=list)
+    calls: list = field(default_factory=list)  # details of the first MAX_DETAILS calls
 
 
 MAX_DETAILS = 64
+FOLD_EVERY = 256
 # Mesh -> notes. Read (a dict truthiness test) on every redistribute: keep it a plain dict.
 PENDING: dict[DeviceMesh, _Notes] = {}
 
 
 def note(spec: DTensorSpec, block: tuple[int, ...], how: str) -> None:
     """Remember an unchecked from_local: ``spec`` is what this rank inferred (or was given)."""
-    if spec.mesh.size() == 1 or spec.mesh.get_coordinate() is None:
+    mesh = spec.mesh
+    if mesh.mesh.numel() == 1 or mesh.get_coordinate() is None:
         return
-    notes = PENDING.setdefault(spec.mesh, _Notes())
-    notes.count += 1
-    layout = spec.render()
-    notes.digest.update(f"{layout}|{spec.placements}|{spec.tensor_meta.stride}|".encode())
-    fits = tuple(block) == spec.local_shape()
-    notes.misfit |= not fits
-    if len(notes.calls) < MAX_DETAILS:
-        notes.calls.append((layout, list(block), list(spec.local_shape()), how))
+    notes = PENDING.get(mesh)
+    if notes is None:
+        notes = PENDING[mesh] = _Notes()
+    notes.raw.append((spec, block, how))
+    if len(notes.raw) >= FOLD_EVERY:
+        _fold(notes)
+
+
+def _fold(notes: _Notes) -> None:
+    """Digest the raw calls: what every rank must agree on (global layout), and misfit blocks."""
+    for spec, block, how in notes.raw:
+        notes.count += 1
+        layout = spec.render()
+        notes.digest.update(f"{layout}|{spec.placements}|{spec.tensor_meta.stride}|".encode())
+        want = spec.local_shape()
+        notes.misfit |= tuple(block) != want
+        if len(notes.calls) < MAX_DETAILS:
+            notes.calls.append((layout, list(block), list(want), how))
+    notes.raw.clear()
 
 
 def settle(mesh: DeviceMesh) -> None:
@@ -284,6 +302,7 @@ def settle(mesh: DeviceMesh) -> None:
     notes = PENDING.pop(mesh, None)
     if notes is None:
         return
+    _fold(notes)
     value = int.from_bytes(notes.digest.digest()[:7], "little")
     flags = torch.tensor([value, -value, int(notes.misfit)], dtype=torch.int64)
     for axis in range(mesh.ndim):  # max over each axis in turn: the max over the whole mesh
