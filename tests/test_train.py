@@ -143,6 +143,8 @@ def test_bad_job_is_refused_again_in_every_worker(monkeypatch, capsys, argv, mes
     """Under torchrun the launching process is torchrun itself: each worker validates."""
     nproc = argv[argv.index("--nproc") + 1]
     monkeypatch.setattr(sys, "argv", ["shardwise.train", *argv])
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # a worker is told so by all four variables
+    monkeypatch.setenv("MASTER_PORT", "29500")
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("LOCAL_RANK", rank)
@@ -156,6 +158,8 @@ def test_nproc_must_match_the_launchers_world(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["shardwise.train", "--nproc", "4"])
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     assert cli.worker() == 2
     assert "--nproc 4 differs from the launcher's world size 2" in capsys.readouterr().err
 
