@@ -323,8 +323,10 @@ def init_device_mesh(
     if any(s <= 0 for s in mesh_shape):
         raise ValueError(f"mesh_shape {mesh_shape} must have positive sizes")
     if not dist.is_initialized():
+        from shardwise.comm import collective_timeout  # here: comm imports this module
+
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=collective_timeout())
     world = dist.get_world_size()
     if math.prod(mesh_shape) != world:
         raise ValueError(
