@@ -45,7 +45,7 @@ from shardwise.failfast import interrupt_context
 from shardwise.launch import close_process_group, under_launcher
 from shardwise.parallel.parallel_dims import ParallelDims
 from shardwise.train.checkpointing import Checkpointer, TrainState, latest_checkpoint, make_checkpointer
-from shardwise.train.config import ConfigError, JobConfig
+from shardwise.train.config import ConfigError, JobConfig, params_label
 from shardwise.train.data import BatchSource, load_corpus
 from shardwise.train.metrics import RunMetrics
 from shardwise.train.model import Transformer
@@ -251,7 +251,7 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
     """
     progress = progress if progress is not None else Progress()
     args = job.model_args()
-    _say(runtime, f"shardwise.train: config {job.config!r} ({args.num_params() / 1e6:.2f}M params), "
+    _say(runtime, f"shardwise.train: config {job.config!r} ({params_label(args.num_params())} params), "
                   f"{job.nproc} rank(s) on {runtime.device.type}, layout {job.layout()}, "
                   f"global batch {job.global_batch} x {job.seq_len} tokens, {job.steps} steps")
     model = build_model(job, runtime)
