@@ -20,7 +20,7 @@ from shardwise.train import cli
 from shardwise.train.checkpointing import latest_checkpoint
 from tests.test_train import refusal_in_launcher
 
-STEPS, STOP = 20, 10
+STEPS, STOP = 10, 5  # the resumed run's 5 steps start after the 2 warmup steps
 BASE = ["--config", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--seq-len", "32",
         "--lr", "3e-3", "--warmup", "2", "--seed", "7", "--log-every", "1000", "--device", "cpu"]
 RTOL = 1e-5
@@ -44,8 +44,8 @@ def test_run_stopped_under_fsdp_resumes_under_fsdp_tp_with_the_same_losses(dist,
     ckpt = str(tmp_path / "ckpt")
     whole = _train(BASE)  # one process, no checkpoint: the oracle
     first = dist.run(4, _train, BASE + ["--nproc", "4", "--dp-shard", "4", "--stop-after", str(STOP),
-                                        "--checkpoint-dir", ckpt, "--checkpoint-every", "4"], timeout=240)
-    assert sorted(os.listdir(ckpt)) == ["step-10", "step-4", "step-8"]  # every 4 steps and at the stop
+                                        "--checkpoint-dir", ckpt, "--checkpoint-every", "2"], timeout=240)
+    assert sorted(os.listdir(ckpt)) == ["step-2", "step-4", "step-5"]  # every 2 steps and at the stop
     assert _max_rel(first[0]["losses"], whole["losses"][:STOP]) < RTOL
 
     second = dist.run(4, _train, BASE + ["--nproc", "4", "--tp", "2", "--dp-shard", "2",
@@ -98,7 +98,8 @@ def _bad_setups(tmp_path) -> dict:
         "missing dir": (["--checkpoint-dir", empty + "-x", "--resume"], r"--resume: --checkpoint-dir '.*-x' does not exist"),
         "no dir": (["--resume"], r"--resume needs --checkpoint-dir$"),
         "every 0": (["--checkpoint-dir", empty, "--checkpoint-every", "0"], r"--checkpoint-every must be > 0, got 0"),
-        "stop after steps": (["--stop-after", "21"], r"--stop-after must be between 1 and --steps 20, got 21"),
+        "stop after steps": (["--stop-after", str(STEPS + 1)],
+                             rf"--stop-after must be between 1 and --steps {STEPS}, got {STEPS + 1}"),
         "other seed": (["--checkpoint-dir", saved, "--resume", "--seed", "3"],
                        r"--seed 3 differs from the seed 7 of checkpoint .*step-4: .* pass --seed 7"),
         "other config": (["--checkpoint-dir", saved, "--resume", "--config", "debug"],
