@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,20 +84,42 @@ def test_mixed_precision_stays_near_fp32(dist, reference):
     assert max(abs(g - w) / w for g, w in zip(got, reference)) < 2e-2, (got, reference)
 
 
-def test_command_line_run_launches_reports_and_matches(tmp_path, reference):
-    metrics, plot = tmp_path / "m.json", tmp_path / "loss.png"
-    argv = BASE + ["--nproc", "4", "--tp", "2", "--dp-shard", "2", "--log-every", "3",
-                   "--metrics-file", str(metrics), "--plot", str(plot)]
-    proc = _cli(argv, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == STEPS // 3, proc.stdout  # rank 0 prints, once per log step
+def test_command_line_run_launches_reports_and_matches(monkeypatch, capsys, tmp_path, reference):
+    """One real launched job: progress, summary, metrics file, plot, parity; and its checkpoint
+    directory: the launching process holds it for its workers until the job ends (a second run
+    is refused meanwhile), rank 0 prints the resolved layout (``--dp-shard`` inferred)."""
+    from shardwise.train.run_lock import live_holder
+
+    metrics, plot, ckpt = tmp_path / "m.json", tmp_path / "loss.png", tmp_path / "ckpt"
+    argv = BASE + ["--nproc", "4", "--tp", "2", "--log-every", "3", "--metrics-file", str(metrics),
+                   "--plot", str(plot), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
+    job = _cli_job(argv)
+    try:
+        deadline = time.monotonic() + 120
+        while live_holder(str(ckpt)) is None and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        holder = live_holder(str(ckpt))
+        assert holder is not None and holder.pid == job.pid, holder
+        err = refusal_in_launcher(monkeypatch, capsys, BASE + ["--nproc", "2", "--checkpoint-dir", str(ckpt)])
+        assert f"is in use by another run (pid {job.pid} on host" in err, err
+        out, errors = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=30)
+    assert job.returncode == 0, out + errors
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(lines) == STEPS // 3, out  # rank 0 prints, once per log step
     assert all("tok/s" in line and "mem/rank" in line for line in lines), lines
-    assert "done: tiny dp_shard=2 tp=2" in proc.stdout and "peak memory per rank: r0" in proc.stdout
+    assert "done: tiny dp_shard=2 tp=2" in out and "peak memory per rank: r0" in out
+    assert ("shardwise.train: layout: FSDP dp_shard=2 + TP tp=2 (dp_shard inferred: --nproc 4 / "
+            "(--dp-replicate 1 x --tp 2))") in out.splitlines(), out
     record = json.loads(metrics.read_text())
     _assert_parity(record["losses"], reference, "CLI dp_shard=2 tp=2")
     assert len(record["peak_memory_bytes"]) == 4 and min(record["peak_memory_bytes"]) > 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "step-3", "step-6"]
+    assert live_holder(str(ckpt)) is None  # released with the job
 
 
 # ---------------------------------------------------------------------- bad jobs
@@ -181,10 +204,20 @@ def _search(pattern: str, text: str):
     return re.search(pattern, text)
 
 
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _cli(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE")}
     return subprocess.run([sys.executable, "-m", "shardwise.train", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def _cli_job(argv: list[str]) -> subprocess.Popen:
+    """``python -m shardwise.train`` started from a shell outside any launcher, still running."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    return subprocess.Popen([sys.executable, "-m", "shardwise.train", *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 # ---------------------------------------------------------------------- pieces

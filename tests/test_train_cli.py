@@ -3,8 +3,9 @@ under a launcher, the printed layout, --help and the config sizes it shows.
 
 Most checks run the CLI entry point in this process as the launching process (launching a
 worker fails the test, see ``refusal_in_launcher``). The run lock is held by real separate
-processes (one killed with SIGKILL to leave a stale lock), and one real launched job shows the
-lock held by the launching process for its workers until the job ends.
+processes (one killed with SIGKILL to leave a stale lock); the real launched job that shows the
+lock held by the launching process for its workers until the job ends is the command-line run of
+tests/test_train.py.
 """
 
 from __future__ import annotations
@@ -150,30 +151,9 @@ def test_the_lock_of_a_killed_run_does_not_block_the_next_run(tmp_path):
     assert live_holder(str(ckpt)) is None
 
 
-def test_a_launched_run_holds_its_checkpoint_dir_until_it_ends_and_prints_its_layout(monkeypatch, capsys, tmp_path):
-    """Real job: the launching process holds the lock, its rank 0 recognises it, a second run is refused."""
-    ckpt = tmp_path / "ckpt"
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    argv = [*TINY, "--steps", "4", "--nproc", "2", "--checkpoint-dir", str(ckpt),
-            "--checkpoint-every", "2"]
-    job = subprocess.Popen([sys.executable, "-m", "shardwise.train", *argv], cwd=ROOT, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while live_holder(str(ckpt)) is None and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert live_holder(str(ckpt)).pid == job.pid
-        err = refusal_in_launcher(monkeypatch, capsys, [*TINY, *LAUNCHED, "--checkpoint-dir", str(ckpt)])
-        assert f"is in use by another run (pid {job.pid} on host" in err, err
-        out, errors = job.communicate(timeout=180)
-    finally:
-        if job.poll() is None:
-            _stop(job)
-    assert job.returncode == 0, out + errors
-    assert "shardwise.train: layout: FSDP dp_shard=2 (dp_shard inferred: --nproc 2 / (--dp-replicate 1 x --tp 1))" \
-        in out, out
-    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "step-2", "step-4"]
-    assert live_holder(str(ckpt)) is None  # released with the job
+# A real launched job holding its checkpoint directory until it ends (and printing its layout) is
+# checked by tests/test_train.py::test_command_line_run_launches_reports_and_matches, which shares
+# the job with the end-to-end command-line run.
 
 
 # ---------------------------------------------------------------------- --nproc under a launcher
