@@ -87,11 +87,13 @@ def test_mixed_precision_stays_near_fp32(dist, reference):
 def test_command_line_run_launches_reports_and_matches(monkeypatch, capsys, tmp_path, reference):
     """One real launched job: progress, summary, metrics file, plot, parity; and its checkpoint
     directory: the launching process holds it for its workers until the job ends (a second run
-    is refused meanwhile), rank 0 prints the resolved layout (``--dp-shard`` inferred)."""
+    is refused meanwhile), rank 0 prints the resolved layout (``--dp-shard`` inferred). Two
+    workers: every layout's parity is checked on the pools above, and the README's quick start
+    (tests/test_readme.py) launches the 4-process FSDP x TP job."""
     from shardwise.train.run_lock import live_holder
 
     metrics, plot, ckpt = tmp_path / "m.json", tmp_path / "loss.png", tmp_path / "ckpt"
-    argv = BASE + ["--nproc", "4", "--tp", "2", "--log-every", "3", "--metrics-file", str(metrics),
+    argv = BASE + ["--nproc", "2", "--log-every", "3", "--metrics-file", str(metrics),
                    "--plot", str(plot), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
     job = _cli_job(argv)
     try:
@@ -111,12 +113,12 @@ def test_command_line_run_launches_reports_and_matches(monkeypatch, capsys, tmp_
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(lines) == STEPS // 3, out  # rank 0 prints, once per log step
     assert all("tok/s" in line and "mem/rank" in line for line in lines), lines
-    assert "done: tiny dp_shard=2 tp=2" in out and "peak memory per rank: r0" in out
-    assert ("shardwise.train: layout: FSDP dp_shard=2 + TP tp=2 (dp_shard inferred: --nproc 4 / "
-            "(--dp-replicate 1 x --tp 2))") in out.splitlines(), out
+    assert "done: tiny dp_shard=2" in out and "peak memory per rank: r0" in out
+    assert ("shardwise.train: layout: FSDP dp_shard=2 (dp_shard inferred: --nproc 2 / "
+            "(--dp-replicate 1 x --tp 1))") in out.splitlines(), out
     record = json.loads(metrics.read_text())
-    _assert_parity(record["losses"], reference, "CLI dp_shard=2 tp=2")
-    assert len(record["peak_memory_bytes"]) == 4 and min(record["peak_memory_bytes"]) > 0
+    _assert_parity(record["losses"], reference, "CLI dp_shard=2")
+    assert len(record["peak_memory_bytes"]) == 2 and min(record["peak_memory_bytes"]) > 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "step-3", "step-6"]
     assert live_holder(str(ckpt)) is None  # released with the job
