@@ -6,8 +6,8 @@ Pools are started lazily the first time a test asks for a world size, kept for t
 whole pytest session and shut down at the end.
 
 Workers come from a multiprocessing "forkserver" that has imported torch once, so a
-pool costs a fork per rank instead of a fresh interpreter importing torch (about 2.5
-CPU-seconds per rank; a restarted 4-rank pool took ~7 CPU-seconds, now ~0.5).
+pool costs a fork per rank instead of a fresh interpreter importing torch: a 4-rank
+pool took ~7 CPU-seconds to start, now ~1 (plus one torch import for the server).
 ``SHARDWISE_TEST_START_METHOD=spawn`` gives every worker a fresh interpreter instead.
 
 Usage from a test (``dist`` is the session-scoped fixture from ``tests/conftest.py``)::
