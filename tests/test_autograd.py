@@ -350,3 +350,19 @@ def test_full_tensor_of_meta_dtensor_raises_on_every_rank(dist):
     dist.run_expect_error(4, _meta_full_tensor, exc_type=ValueError,
                           match=r"full_tensor\(\) of the meta DTensor f32\[8@tp,4\] on mesh\(tp=4\): "
                                 r"a meta tensor has no data")
+
+
+def _strides_disagree_without_run_check():
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    # Strides of size-1 dims do not matter (they differ by how a block was cut) ...
+    column = torch.ones(2, 1, 3).transpose(1, 2) if dist.get_rank() == 1 else torch.ones(2, 3, 1)
+    DTensor.from_local(column, mesh, [Shard(0)]).full_tensor()
+    # ... a transposed block on rank 1 does: the ranks would read different global tensors.
+    block = torch.ones(3, 2).t() if dist.get_rank() == 1 else torch.ones(2, 3)
+    DTensor.from_local(block, mesh, [Shard(0)]).full_tensor()
+
+
+def test_from_local_stride_disagreement_is_named_before_the_collective(dist):
+    dist.run_expect_error(4, _strides_disagree_without_run_check, exc_type=ValueError,
+                          match=r"different global tensors: f32\[8@tp,3\] on ranks 0, 2, 3; "
+                                r"f32\[8@tp,3\] \(stride \[1, 8\]\) on rank 1")

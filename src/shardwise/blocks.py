@@ -356,13 +356,20 @@ def _fold(notes: _Notes) -> None:
     """Digest the raw calls: what every rank must agree on (global layout), and misfit blocks."""
     for spec, block, how in notes.raw:
         notes.count += 1
-        layout = spec.render()
-        notes.digest.update(f"{layout}|{spec.placements}|{spec.tensor_meta.stride}|".encode())
+        layout, stride = spec.render(), _addressing(spec.shape, spec.tensor_meta.stride)
+        if stride != _addressing(spec.shape, contiguous_stride(spec.shape)):  # named if the ranks differ
+            layout += f" (stride {list(spec.tensor_meta.stride)})"
+        notes.digest.update(f"{layout}|{spec.placements}|{stride}|".encode())
         want = spec.local_shape()
         notes.misfit |= tuple(block) != want
         if len(notes.calls) < MAX_DETAILS:
             notes.calls.append((layout, list(block), list(want), how))
     notes.raw.clear()
+
+
+def _addressing(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """The strides that address memory: a dim of size <= 1 has none that matters."""
+    return tuple(st if size > 1 else 0 for size, st in zip(shape, stride))
 
 
 def settle(mesh: DeviceMesh) -> None:
