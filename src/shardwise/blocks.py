@@ -5,8 +5,9 @@ metadata, and each block must be the piece the layout assigns to its rank; other
 differ from rank to rank, the next collective gets mismatched sizes, and gloo answers that by
 aborting the process (SIGABRT, no Python error). Two checks keep that from happening:
 
-* ``run_check=True`` (``check_blocks``): every rank's block metadata (shape, dtype, memory
-  layout, a digest of the values where an axis replicates) is gathered over the whole mesh; the
+* ``run_check=True`` (``check_blocks``): every rank's block metadata (shape, stride, dtype,
+  device, requires_grad, a digest of the values where an axis replicates) is gathered over the
+  whole mesh; the
   global shape is inferred from all blocks (uneven torch.chunk pieces included) and every
   disagreement is reported, by rank and value, in one error raised on every rank.
 * without it (``note`` / ``settle``): nothing is communicated at ``from_local``; the call is
@@ -33,8 +34,8 @@ from shardwise.placement import Placement, Shard
 from shardwise.spec import DTensorSpec, TensorMeta, contiguous_stride, dtype_name
 
 __all__ = [
-    "BlockInfo", "describe_block", "gather_grid", "check_blocks", "even_shape", "global_meta", "note", "settle",
-    "PENDING",
+    "BlockInfo", "describe_block", "gather_grid", "check_blocks", "even_shape", "even_stride", "stride_like",
+    "global_meta", "note", "settle", "PENDING",
 ]
 
 Grid = dict[tuple[int, ...], "BlockInfo"]
@@ -53,15 +54,22 @@ class BlockInfo:
     declared: tuple[int, ...] | None  # shape= as passed
     digest: bytes | None  # of the values, when some axis replicates
     error: str = ""  # the placements do not fit this block (e.g. Shard(2) of a 2-D block)
+    stride: tuple[int, ...] = ()
+    device: str = "cpu"
+    requires_grad: bool = False
+    declared_stride: tuple[int, ...] | None = None  # stride= as passed
 
 
 def describe_block(
-    local: torch.Tensor, placements: tuple[Placement, ...], declared: Sequence[int] | None, error: str
+    local: torch.Tensor, placements: tuple[Placement, ...], declared: Sequence[int] | None, error: str,
+    declared_stride: Sequence[int] | None = None,
 ) -> BlockInfo:
     replicated = any(p.is_replicate() for p in placements)
+    digest = _digest(local) if replicated and not local.is_meta else None
     return BlockInfo(
         dist.get_rank(), tuple(local.shape), dtype_name(local.dtype), _memory(local), str(list(placements)),
-        tuple(declared) if declared is not None else None, _digest(local) if replicated else None, error,
+        tuple(declared) if declared is not None else None, digest, error, tuple(local.stride()),
+        local.device.type, local.requires_grad, tuple(declared_stride) if declared_stride is not None else None,
     )
 
 
@@ -107,9 +115,13 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------- run_check=True
-def check_blocks(grid: Grid, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> tuple[torch.Size, list[str]]:
-    """The global shape the blocks form, and every problem found (empty list: they agree).
+def check_blocks(
+    grid: Grid, mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> tuple[torch.Size, tuple[int, ...], list[str]]:
+    """The global shape and stride the blocks form, and every problem found (empty: they agree).
 
+    The stride is the one the blocks' memory layout gives the global tensor (see
+    ``even_stride`` and ``stride_like``); a declared ``stride=`` is the caller's to use.
     Pure and deterministic: every rank computes it from the same grid, so every rank reaches
     the same verdict and raises the same error.
     """
@@ -117,17 +129,25 @@ def check_blocks(grid: Grid, mesh: DeviceMesh, placements: tuple[Placement, ...]
     problems = [f"rank {i.rank}: {i.error}" for i in infos if i.error]
     problems += _differing("ranks passed different placements", {c: i.placements for c, i in grid.items()}, grid)
     problems += _differing("ranks passed different shape=", {c: i.declared for c, i in grid.items()}, grid)
+    problems += _differing("ranks passed different stride=", {c: i.declared_stride for c, i in grid.items()}, grid)
     problems += _differing("ranks hold blocks of different ranks (number of dims)",
                            {c: len(i.shape) for c, i in grid.items()}, grid)
     if problems:
-        return torch.Size(()), problems
+        return torch.Size(()), (), problems
     problems += _differing("dtypes differ", {c: i.dtype for c, i in grid.items()}, grid)
+    problems += _differing("devices differ", {c: i.device for c, i in grid.items()}, grid)
+    problems += _differing("requires_grad differs", {c: i.requires_grad for c, i in grid.items()}, grid)
     shape, shape_problems = _global_shape(grid, mesh, placements, infos[0].declared)
     problems += shape_problems
-    problems += _memory_problems(grid)
+    memory_problems = _memory_problems(grid)
+    problems += memory_problems
+    stride: tuple[int, ...] = ()
+    if not shape_problems and not memory_problems:
+        stride, stride_problems = _global_stride(grid, mesh, placements, shape)
+        problems += stride_problems
     if not problems:
         problems += _replica_problems(grid, mesh, placements)
-    return shape, problems
+    return shape, stride, problems
 
 
 def _differing(what: str, values: dict[tuple[int, ...], object], grid: Grid) -> list[str]:
@@ -212,6 +232,28 @@ def _block_problems(grid: Grid, mesh: DeviceMesh, placements: tuple[Placement, .
     return wrong
 
 
+def _global_stride(
+    grid: Grid, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size
+) -> tuple[tuple[int, ...], list[str]]:
+    """The global stride every rank's block implies; ranks whose blocks imply another are named.
+
+    Blocks with a dim of size <= 1 do not tell their layout and follow the others.
+    """
+    derived = {}
+    for coordinate, info in grid.items():
+        if info.memory:
+            if even_shape(info.shape, mesh, placements) == shape:
+                derived[coordinate] = even_stride(info.stride, mesh, placements)
+            else:
+                derived[coordinate] = stride_like(info.shape, info.stride, shape)
+    if not derived:
+        return contiguous_stride(shape), []
+    problems = _differing("the blocks imply different global strides", derived, grid)
+    if problems:
+        problems[0] += " (pass blocks with one memory layout, or stride=)"
+    return derived[min(derived)], problems
+
+
 def _memory_problems(grid: Grid) -> list[str]:
     values = {c: i.memory for c, i in grid.items() if i.memory}
     problems = _differing("blocks have different memory layouts", values, grid)
@@ -247,6 +289,33 @@ def even_shape(block: Sequence[int], mesh: DeviceMesh, placements: tuple[Placeme
         if isinstance(p, Shard):
             shape[p.dim] *= mesh.size(axis)
     return torch.Size(shape)
+
+
+def even_stride(block_stride: Sequence[int], mesh: DeviceMesh, placements: tuple[Placement, ...]) -> tuple[int, ...]:
+    """The global stride of even blocks laid out like this one (torch's rule, for equal strides).
+
+    For each mesh axis that shards dim d, every other dim whose stride is at least d's grows
+    by the axis size: the global tensor keeps the block's dim order in memory, a permuted
+    block giving a permuted global tensor.
+    """
+    stride = list(block_stride)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n = mesh.size(axis)
+            for d in range(len(stride)):
+                if d != p.dim and stride[d] >= stride[p.dim]:
+                    stride[d] *= n
+    return tuple(stride)
+
+
+def stride_like(block_shape: Sequence[int], block_stride: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides for ``shape`` with the block's dim order in memory (for uneven blocks)."""
+    order = sorted(range(len(shape)), key=lambda d: (block_stride[d], block_shape[d], d))  # innermost first
+    stride, acc = [0] * len(shape), 1
+    for d in order:
+        stride[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(stride)
 
 
 @dataclass
@@ -287,13 +356,20 @@ def _fold(notes: _Notes) -> None:
     """Digest the raw calls: what every rank must agree on (global layout), and misfit blocks."""
     for spec, block, how in notes.raw:
         notes.count += 1
-        layout = spec.render()
-        notes.digest.update(f"{layout}|{spec.placements}|{spec.tensor_meta.stride}|".encode())
+        layout, stride = spec.render(), _addressing(spec.shape, spec.tensor_meta.stride)
+        if stride != _addressing(spec.shape, contiguous_stride(spec.shape)):  # named if the ranks differ
+            layout += f" (stride {list(spec.tensor_meta.stride)})"
+        notes.digest.update(f"{layout}|{spec.placements}|{stride}|".encode())
         want = spec.local_shape()
         notes.misfit |= tuple(block) != want
         if len(notes.calls) < MAX_DETAILS:
             notes.calls.append((layout, list(block), list(want), how))
     notes.raw.clear()
+
+
+def _addressing(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """The strides that address memory: a dim of size <= 1 has none that matters."""
+    return tuple(st if size > 1 else 0 for size, st in zip(shape, stride))
 
 
 def settle(mesh: DeviceMesh) -> None:

@@ -7,6 +7,7 @@ local blocks and inserts the communication the layouts require.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -80,6 +81,7 @@ class DTensor(torch.Tensor):
         run_check: bool = False,
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
+        grad_placements: Sequence[Placement] | None = None,
     ) -> "DTensor":
         """Wrap the block this rank already holds, without copying it.
 
@@ -88,15 +90,21 @@ class DTensor(torch.Tensor):
             device_mesh: the mesh (default: a 1-D mesh over the world).
             placements: one per mesh axis (default: all Replicate).
             run_check: gather every rank's block metadata now (one all_gather_object per mesh
-                axis) and verify that the blocks form one layout: same dtype, same size in every
-                unsharded dim, sharded dims split as torch.chunk splits the global size, the same
-                memory layout, equal values along Replicate axes. Any disagreement raises one
-                ValueError on every rank naming the ranks and their values.
+                axis) and verify that the blocks form one layout: same dtype, device and
+                requires_grad, same size in every unsharded dim, sharded dims split as
+                torch.chunk splits the global size, the same memory layout and global stride,
+                equal values along Replicate axes. Any disagreement raises one ValueError on
+                every rank naming the ranks and their values.
             shape, stride: the global shape and stride. Without ``shape`` the global shape is
                 inferred: with ``run_check`` from every rank's block (uneven blocks allowed);
                 without it from this rank's block alone, ASSUMING EVEN BLOCKS (a sharded dim's
                 global size is this block's size times the ranks sharding it). Pass ``shape``
-                for uneven blocks.
+                for uneven blocks. Without ``stride`` the global stride follows the block's
+                memory layout (a permuted block gives a permuted global tensor, as in torch);
+                with ``shape`` alone it is contiguous.
+            grad_placements: how to read the DTensor's gradient when it flows back into
+                ``local_tensor`` (default: ``placements`` with Partial read as Replicate, so
+                every rank receives the gradient of the whole value).
 
         Without ``run_check`` nothing is communicated here; the ranks' agreement (same global
         shape, each block the piece its rank should hold) is confirmed before the next
@@ -119,14 +127,22 @@ class DTensor(torch.Tensor):
             local_tensor = local_tensor.to(mesh.device_type)
         if shape is None and stride is not None:
             raise ValueError("from_local: pass shape together with stride")
+        if grad_placements is not None:
+            grad_placements = as_placements(grad_placements, "from_local: grad_placements")
         if run_check and mesh.get_coordinate() is not None:
             spec = _checked_spec(local_tensor, mesh, placements, shape, stride)
         else:
             spec = _unchecked_spec(local_tensor, mesh, placements, shape, stride)
-        return FromLocal.apply(local_tensor, spec)
+        return FromLocal.apply(local_tensor, spec, grad_placements)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """This rank's block (a view). ``grad_placements`` says how to read its gradient."""
+        """This rank's block (a view).
+
+        ``grad_placements`` says how to read the block's gradient as a DTensor gradient. By
+        default it is this tensor's placements with Partial read as Replicate: each rank's
+        gradient is then taken as the gradient of the whole value. Pass ``[Partial()]`` when
+        each rank computes its own term of the loss from its block.
+        """
         if grad_placements is not None:
             grad_placements = as_placements(grad_placements, "to_local: grad_placements")
         if not torch.is_grad_enabled():
@@ -139,6 +155,8 @@ class DTensor(torch.Tensor):
         placements: Sequence[Placement] | None = None,
         *,
         async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> "DTensor":
         """The same logical tensor laid out by ``placements``, with the cheapest communication.
 
@@ -149,6 +167,11 @@ class DTensor(torch.Tensor):
         blocks are the target's (at worst one gather). Meshes over other ranks raise a
         ValueError saying what to do instead.
 
+        ``forward_dtype`` casts the block before communicating (the result has that dtype);
+        ``backward_dtype`` is the dtype the gradient is communicated in (default: this
+        tensor's dtype); the gradient reaching this tensor always has this tensor's dtype.
+        A meta DTensor is redistributed without communication (only the block shape changes).
+
         Example:
             >>> flat = mesh["dp", "tp"].flatten("world")          # the same 4 ranks, one axis
             >>> y = x.redistribute(flat, [Shard(0)])              # [Shard(0), Shard(0)]: no communication
@@ -157,16 +180,29 @@ class DTensor(torch.Tensor):
             raise ValueError("redistribute needs target placements")
         placements = as_placements(placements, "redistribute: placements")
         mesh = device_mesh or self._spec.mesh
+        meta = self._spec.tensor_meta
+        if forward_dtype is not None and forward_dtype != meta.dtype:
+            meta = replace(meta, dtype=forward_dtype)
         if mesh != self._spec.mesh:
             check_same_ranks(self._spec, mesh)
-            return Redistribute.apply(self, DTensorSpec(mesh, placements, self._spec.tensor_meta))
-        dst = self._spec.with_placements(placements)
-        if dst.placements == self._spec.placements:
+            return Redistribute.apply(self, DTensorSpec(mesh, placements, meta), backward_dtype)
+        dst = DTensorSpec(mesh, placements, meta)
+        if dst == self._spec and (backward_dtype is None or backward_dtype == meta.dtype):
             return self
-        return Redistribute.apply(self, dst)
+        return Redistribute.apply(self, dst, backward_dtype)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """The whole logical tensor on every rank (an all_gather / all_reduce: not for hot paths)."""
+        """The whole logical tensor on every rank (an all_gather / all_reduce: not for hot paths).
+
+        ``grad_placements`` as in ``to_local`` (default Replicate: each rank's gradient is the
+        gradient of the whole value).
+        """
+        if self._local_tensor.is_meta:
+            raise ValueError(
+                f"full_tensor() of the meta DTensor {self._spec.render()} on {self._spec.mesh}: a meta tensor "
+                "has no data to gather. Materialize it first (module.to_empty(device=...) and initialize the "
+                "parameters, or build the tensor on a real device)"
+            )
         replicated = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
 
@@ -188,7 +224,7 @@ def _unchecked_spec(
     else:
         probe = DTensorSpec(mesh, placements, TensorMeta(local.shape, contiguous_stride(local.shape), local.dtype))
         even = blocks.even_shape(local.shape, mesh, probe.placements)
-        meta = TensorMeta(even, contiguous_stride(even), local.dtype)
+        meta = TensorMeta(even, blocks.even_stride(local.stride(), mesh, probe.placements), local.dtype)
         spec, how = DTensorSpec(mesh, probe.placements, meta), "shape inferred assuming even blocks"
     blocks.note(spec, tuple(local.shape), how)
     return spec
@@ -205,11 +241,13 @@ def _checked_spec(
         normalized = DTensorSpec(mesh, placements, meta).placements
     except (ValueError, IndexError) as err:
         error = str(err)
-    info = blocks.describe_block(local, placements, shape, error)
-    global_shape, problems = blocks.check_blocks(blocks.gather_grid(info, mesh), mesh, normalized)
+    info = blocks.describe_block(local, placements, shape, error, stride)
+    global_shape, implied, problems = blocks.check_blocks(blocks.gather_grid(info, mesh), mesh, normalized)
     if problems:
         raise ValueError(
             f"from_local(run_check=True): the blocks do not form one {render_layout(mesh, normalized, None)} "
             f"layout on {mesh}: " + "; ".join(problems)
         )
+    if shape is None and stride is None:
+        stride = implied
     return DTensorSpec(mesh, normalized, blocks.global_meta(local, global_shape, stride))
