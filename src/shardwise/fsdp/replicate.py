@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.api import default_mesh, distribute_tensor
+from shardwise.api import distribute_tensor, world_mesh
 from shardwise.dtensor import DTensor
 from shardwise.fsdp.backward import queue_end_of_backward
 from shardwise.fsdp.buckets import plan_buckets
@@ -150,7 +150,7 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None, bucket_cap_m
     where = f"replicate({label})"
     if module.__dict__.get(STATE_ATTR) is not None or state_of(module) is not None:
         raise ValueError(f"{where}: the module is already managed by replicate or fully_shard")
-    mesh = mesh if mesh is not None else default_mesh()
+    mesh = mesh if mesh is not None else world_mesh()
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError(f"{where}: replicate needs a 1-D data-parallel mesh, got {mesh}")
     if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
