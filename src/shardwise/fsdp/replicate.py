@@ -10,6 +10,7 @@ bucket has arrived, in a fixed order so every rank issues the same collectives.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -42,6 +43,16 @@ class ReplicatedParam:
         setattr(self.replicated, MANAGED_ATTR, True)
         self.local = nn.Parameter(self.replicated._local_tensor, requires_grad=param.requires_grad)
         owners.param = self.replicated  # drop the original tensor
+
+    def __deepcopy__(self, memo: dict) -> "ReplicatedParam":
+        """A copy whose plain view shares the copied DTensor's storage, as the original's does."""
+        new = object.__new__(ReplicatedParam)
+        memo[id(self)] = new
+        new.owners = copy.deepcopy(self.owners, memo)
+        new.replicated = copy.deepcopy(self.replicated, memo)
+        new.local = nn.Parameter(new.replicated._local_tensor, requires_grad=self.local.requires_grad)
+        memo[id(self.local)] = new.local
+        return new
 
     def use_local(self) -> None:
         if self.local.data_ptr() != self.replicated._local_tensor.data_ptr():
@@ -81,6 +92,19 @@ class ReplicateState:
     def install(self) -> None:
         self.module.register_forward_pre_hook(self._pre_forward, prepend=True)
         self.module.register_forward_hook(self._post_forward, always_call=True)
+        self._install_grad_hooks()
+
+    def __deepcopy__(self, memo: dict) -> "ReplicateState":
+        """The state of a ``copy.deepcopy``'d module: module hooks come with the module's copy;
+        the gradient hooks of the copied plain parameters are registered again."""
+        new = object.__new__(ReplicateState)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        new._install_grad_hooks()
+        return new
+
+    def _install_grad_hooks(self) -> None:
         for i, p in enumerate(self.params):
             if p.local.requires_grad:
                 p.local.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
