@@ -177,6 +177,8 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None, bucket_cap_m
     mesh = mesh if mesh is not None else world_mesh()
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError(f"{where}: replicate needs a 1-D data-parallel mesh, got {mesh}")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"{where}: rank {mesh.get_rank()} is not in {mesh.describe()}")
     if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
         raise ValueError(f"{where}: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
     entries = find_owners(module, set())
