@@ -117,3 +117,22 @@ def test_foreach_norm_across_submeshes_and_with_mesh(dist):
         assert result["foreach_norm"] == expected
         assert result["meshes"] == [True, True]
         assert result["with mesh"] == [True] * 8
+
+
+def test_with_mesh_nests_and_pops_in_order():
+    from shardwise.mesh import current_mesh
+
+    outer, inner = DeviceMesh("cpu", [0]), DeviceMesh("cpu", [[0]], mesh_dim_names=("a", "b"))
+    assert current_mesh() is None
+    with outer:
+        with inner:
+            assert current_mesh() is inner
+        assert current_mesh() is outer
+        inner.__enter__()
+        try:
+            outer.__exit__(None, None, None)
+            raise AssertionError("leaving the outer block first must raise")
+        except RuntimeError as err:
+            assert "innermost mesh entered is mesh(a=1, b=1)" in str(err)
+        inner.__exit__(None, None, None)
+    assert current_mesh() is None
