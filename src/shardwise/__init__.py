@@ -12,6 +12,7 @@ from shardwise.module_api import distribute_module
 from shardwise.placement import Partial, Placement, Replicate, Shard
 from shardwise.random import manual_seed
 from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise import serialization as _serialization  # noqa: F401  (torch.load safe globals)
 
 __all__ = [
     "DeviceMesh", "init_device_mesh",

@@ -9,17 +9,23 @@ import torch.distributed as dist
 
 from shardwise import comm
 from shardwise.dtensor import DTensor
-from shardwise.mesh import DeviceMesh, init_device_mesh
+from shardwise.mesh import DeviceMesh, current_mesh, init_device_mesh
 from shardwise.placement import Partial, Placement, Replicate, Shard, as_placements
 from shardwise.spec import DTensorSpec, TensorMeta, contiguous_stride
 
-__all__ = ["distribute_tensor", "default_mesh", "zeros", "ones", "empty", "full", "rand", "randn"]
+__all__ = ["distribute_tensor", "default_mesh", "world_mesh", "zeros", "ones", "empty", "full", "rand", "randn"]
 
 _DEFAULT_MESHES: dict[str, DeviceMesh] = {}
 
 
 def default_mesh(device_type: str = "cpu") -> DeviceMesh:
-    """A 1-D mesh over the whole world, used when no mesh is given."""
+    """The mesh used when none is given: the innermost ``with mesh:``, else ``world_mesh``."""
+    current = current_mesh()
+    return current if current is not None else world_mesh(device_type)
+
+
+def world_mesh(device_type: str = "cpu") -> DeviceMesh:
+    """A 1-D mesh over the whole world (fully_shard's and replicate's default, as in torch)."""
     mesh = _DEFAULT_MESHES.get(device_type)
     if mesh is None:
         world = dist.get_world_size() if dist.is_initialized() else 1

@@ -7,8 +7,9 @@ local blocks and inserts the communication the layouts require.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -133,6 +134,8 @@ class DTensor(torch.Tensor):
             spec = _checked_spec(local_tensor, mesh, placements, shape, stride)
         else:
             spec = _unchecked_spec(local_tensor, mesh, placements, shape, stride)
+        if mesh.get_coordinate() is None:  # outside the mesh: an empty block (a view), as torch holds
+            local_tensor = local_tensor.as_strided((0,) * local_tensor.ndim, (1,) * local_tensor.ndim)
         return FromLocal.apply(local_tensor, spec, grad_placements)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -206,12 +209,48 @@ class DTensor(torch.Tensor):
         replicated = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
 
+    # ------------------------------------------------------------------ copying and pickling
+    def __deepcopy__(self, memo: dict) -> "DTensor":
+        """An independent DTensor: a copy of this rank's block with the same layout (its mesh
+        reconnects to the same process groups, see ``DeviceMesh.__reduce__``). As with torch
+        tensors, only leaves can be copied; ``.grad`` and attributes (``nn.Parameter``-ness)
+        are copied too, hooks are not."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                f"copy.deepcopy of a non-leaf DTensor ({self._spec.render()} on {self._spec.mesh}): only "
+                "tensors created by the user can be deep-copied, as in torch; copy .detach() instead"
+            )
+        new = DTensor(
+            self._local_tensor.detach().clone(), copy.deepcopy(self._spec, memo), requires_grad=self.requires_grad
+        )
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Pickle as this rank's block + the layout (+ requires_grad and attributes): each rank
+        saves and loads its own block; ``torch.save`` stores the block's storage as usual."""
+        return _rebuild_dtensor, (self._local_tensor.detach(), self._spec, self.requires_grad, dict(self.__dict__))
+
     def __tensor_flatten__(self):
         return ["_local_tensor"], self._spec
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
         return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=False)
+
+
+def _rebuild_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool, attrs: dict[str, Any]) -> DTensor:
+    """Unpickle a DTensor (see ``DTensor.__reduce_ex__``)."""
+    dtensor = DTensor(local, spec, requires_grad=requires_grad)
+    for name, value in attrs.items():
+        setattr(dtensor, name, value)
+    return dtensor
 
 
 def _unchecked_spec(

@@ -23,10 +23,17 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
 
 # Rank tuple -> process group. Shared by all meshes of the process so each group exists once.
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# Meshes entered with ``with mesh:``, innermost last.
+_MESH_STACK: list["DeviceMesh"] = []
+
+
+def current_mesh() -> "DeviceMesh | None":
+    """The innermost mesh entered with ``with mesh:``, or None outside any."""
+    return _MESH_STACK[-1] if _MESH_STACK else None
 
 
 def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup:
@@ -153,9 +160,16 @@ class DeviceMesh:
             if self.ndim != 1:
                 raise ValueError(f"{self} has {self.ndim} axes; name the axis for get_local_rank")
             mesh_dim = 0
-        if self._coordinate is None:
-            raise RuntimeError(f"rank {self._rank} is not in {self}")
+        self._require_member("get_local_rank")
         return self._coordinate[self._axis_index(mesh_dim)]
+
+    def _require_member(self, what: str) -> None:
+        """Raise, naming the rank and the rank grid, when this rank is not in the mesh."""
+        if self._coordinate is None:
+            raise RuntimeError(
+                f"{what}: rank {self._rank} is not in {self.describe()}; only its ranks "
+                f"{sorted(self.mesh.flatten().tolist())} hold a position, a group and blocks on it"
+            )
 
     def get_rank(self) -> int:
         """This process's global rank."""
@@ -167,7 +181,9 @@ class DeviceMesh:
             if self.ndim != 1:
                 raise ValueError(f"{self} has {self.ndim} axes; name the axis for get_group")
             mesh_dim = 0
-        group = self._groups[self._axis_index(mesh_dim)] if self._groups else None
+        axis = self._axis_index(mesh_dim)
+        self._require_member(f"get_group({mesh_dim!r})")
+        group = self._groups[axis] if self._groups else None
         if group is None:
             raise RuntimeError(f"rank {self._rank} has no group on axis {mesh_dim!r} of {self}")
         return group
@@ -213,8 +229,13 @@ class DeviceMesh:
         known = list(self.mesh_dim_names or ()) + list(self._root._flattened)
         raise KeyError(f"{self} has no axis named {name!r}; known axes: {known}")
 
-    def _submesh(self, names: tuple[str, ...], dims: list[tuple[int, ...]]) -> "DeviceMesh":
-        """Root-only: the mesh over groups of root axes ``dims`` (each group flattened)."""
+    def _submesh(
+        self, names: tuple[str, ...], dims: list[tuple[int, ...]], grid: list | None = None
+    ) -> "DeviceMesh":
+        """Root-only: the mesh over groups of root axes ``dims`` (each group flattened).
+
+        ``grid`` picks one slice of the family by its ranks (default: the slice holding this rank).
+        """
         chosen = [d for group in dims for d in group]
         rest = [d for d in range(self.ndim) if d not in chosen]
         sub_shape = [math.prod(self.mesh.shape[d] for d in group) for group in dims]
@@ -222,6 +243,8 @@ class DeviceMesh:
         family = family.reshape([self.mesh.shape[d] for d in rest] + sub_shape)
         coord = self._coordinate
         mine = family[tuple(coord[d] for d in rest)] if coord is not None else family.reshape(-1, *sub_shape)[0]
+        if grid is not None:
+            mine = torch.as_tensor(grid, dtype=torch.int64)
         return DeviceMesh(
             self.device_type,
             mine,
@@ -254,6 +277,31 @@ class DeviceMesh:
 
     _flatten = flatten
 
+    # ------------------------------------------------------------------ default mesh
+    def __enter__(self) -> "DeviceMesh":
+        """``with mesh:`` makes this mesh the default of from_local, distribute_tensor and the
+        factories until the block ends (blocks nest; the innermost wins)."""
+        _MESH_STACK.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not _MESH_STACK or _MESH_STACK[-1] is not self:
+            raise RuntimeError(f"leaving `with {self}:` but the innermost mesh entered is {current_mesh()}")
+        _MESH_STACK.pop()
+
+    # ------------------------------------------------------------------ pickling
+    def __reduce__(self) -> tuple:
+        """Pickle by identity (device type, rank grid, axis names, root), never the groups.
+
+        Unpickling in the same world looks the groups up in the process's cache, with no
+        collective; in a process that has not created them yet, every rank must unpickle the
+        same meshes in the same order, since creating a group is collective. A sub-mesh is
+        rebuilt from its root, so slicing and flattening work on the copy as on the original.
+        """
+        if self._root is self:
+            return _rebuild_root, (self.device_type, self.mesh.tolist(), self.mesh_dim_names, dict(self._flattened))
+        return _rebuild_submesh, (self._root, self.mesh_dim_names, self._axis_dims, self.mesh.tolist())
+
     # ------------------------------------------------------------------ identity
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DeviceMesh) and self._key == other._key
@@ -268,6 +316,23 @@ class DeviceMesh:
     def describe(self) -> str:
         """Long form with the rank grid, for error messages about layouts."""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}, names={self.mesh_dim_names})"
+
+
+def _rebuild_root(
+    device_type: str, grid: list, names: tuple[str, ...] | None, flattened: dict[str, tuple[int, ...]]
+) -> DeviceMesh:
+    """Unpickle a root mesh (see ``DeviceMesh.__reduce__``)."""
+    mesh = DeviceMesh(device_type, grid, mesh_dim_names=names)
+    for name, dims in flattened.items():
+        mesh._flattened.setdefault(name, tuple(dims))
+    return mesh
+
+
+def _rebuild_submesh(
+    root: DeviceMesh, names: tuple[str, ...], axis_dims: tuple[tuple[int, ...], ...], grid: list
+) -> DeviceMesh:
+    """Unpickle a sub-mesh: the same slice of the (unpickled) root."""
+    return root._submesh(tuple(names), [tuple(d) for d in axis_dims], grid=grid)
 
 
 def _check_mesh(grid: torch.Tensor, names: tuple[str, ...] | None) -> None:

@@ -102,6 +102,10 @@ class DTensorSpec:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt, not restored: the cached hash depends on the process (string hashing).
+        return DTensorSpec, (self.mesh, self.placements, self.tensor_meta)
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True

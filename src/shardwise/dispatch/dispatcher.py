@@ -31,6 +31,7 @@ CACHE_SIZE = 4096
 _CACHE: OrderedDict = OrderedDict()
 _IMPLICIT = [False]
 _SIGN_ONLY = registry.SCALAR_SIGN_ONLY
+_PER_POSITION: set = set()  # ops whose DTensors may sit on different meshes (allow_mixed_meshes)
 _DTensor: type | None = None
 
 
@@ -236,6 +237,8 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
     if not dtensors:
         raise UnsupportedOp(f"{describe()}: no DTensor argument")
     meshes = list(dict.fromkeys(dt._spec.mesh for dt in dtensors))
+    if len(meshes) > 1 and func in _PER_POSITION:  # each position is its own op, on its own mesh
+        return OutputPlan("custom", handler=registry.lookup(func).fn)
     if len(meshes) > 1:
         raise ValueError(f"{describe()}: {_mixed_meshes(dtensors, meshes)}")
     mesh = meshes[0]
@@ -252,7 +255,56 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
         return _ImplicitPlan(mesh)
     schema = OpSchema(func, _specs_of(args, DTensor), tuple((k, v) for k, v in zip(kwargs, _specs_of(kwargs.values(), DTensor))), tuple(dt._spec for dt in dtensors))
     meta_args, meta_kwargs = _to_meta(args, DTensor), dict(zip(kwargs, _to_meta(kwargs.values(), DTensor)))
-    return propagate(func, schema, tuple(meta_args), meta_kwargs, describe)
+    plan = propagate(func, schema, tuple(meta_args), meta_kwargs, describe)
+    if plan.action == "run" and mesh.get_coordinate() is None:
+        return _absent_plan(plan, func)
+    return plan
+
+
+def _absent_plan(plan: OutputPlan, func) -> OutputPlan:
+    """The plan of a rank outside the mesh: no collective, no local op, empty blocks out.
+
+    Decided here, once per call signature (the mesh is part of the cache key), so the hot path
+    never asks. The outputs have the planned global metadata and placements, as on the
+    mesh's ranks; their blocks are empty (0-dim results hold a 0), as torch's are.
+    """
+    returns = func._schema.returns
+    as_list = len(returns) == 1 and isinstance(returns[0].type, torch.ListType)
+
+    def handler(func, args, kwargs):
+        dtensors: list = []
+        _key(args, dtensors, _DTensor)
+        _key(kwargs.values(), dtensors, _DTensor)
+        for i in plan.rebind:  # the mutated tensor takes its settled layout, as on the members
+            dtensors[i]._spec = plan.input_specs[i]
+        if plan.returns == "self":
+            return args[0]
+        if plan.returns == "out":
+            return kwargs["out"]
+        if plan.returns == "none":
+            return None
+        device = dtensors[0]._local_tensor.device
+        outs = [None if spec is None else _DTensor(_empty_block(spec, device), spec, requires_grad=False)
+                for spec in plan.output_specs]
+        if as_list:
+            return outs
+        return outs[0] if len(returns) == 1 else tuple(outs)
+
+    return OutputPlan("custom", handler=handler)
+
+
+def _empty_block(spec: DTensorSpec, device: torch.device) -> torch.Tensor:
+    """What a rank outside the mesh holds for a tensor laid out as ``spec``."""
+    if spec.ndim == 0:
+        return torch.zeros((), dtype=spec.dtype, device=device)
+    return torch.empty((0,) * spec.ndim, dtype=spec.dtype, device=device)
+
+
+def allow_mixed_meshes(*ops: Any) -> None:
+    """Let calls of ``ops`` take DTensors on different meshes: their custom handlers run each
+    position as its own op (the ``_foreach_*`` family: gradients of a pipeline stage's and of
+    another sub-mesh's parameters in one ``_foreach_norm``)."""
+    _PER_POSITION.update(ops)
 
 
 def _mixed_meshes(dtensors: list, meshes: list) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.api import default_mesh
+from shardwise.api import world_mesh
 from shardwise.fsdp.dp_mesh import DataParallelMesh
 from shardwise.fsdp.group import ParamGroup
 from shardwise.fsdp.param import FSDPParam
@@ -92,7 +92,7 @@ def fully_shard(
         raise TypeError(f"{where}: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"{where}: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    dp = DataParallelMesh.of(mesh if mesh is not None else default_mesh(), where)
+    dp = DataParallelMesh.of(mesh if mesh is not None else world_mesh(), where)
     entries = group_params(module, dp, where)
     dtype = compute_dtype(entries, mp_policy, where)
     params = [FSDPParam(entry, dp, dtype) for entry in entries]

@@ -15,6 +15,8 @@ refilling it is not an in-place change of a tensor autograd saved.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -75,6 +77,25 @@ class FSDPParam:
         meta = self.inner_spec.tensor_meta
         spec = DTensorSpec(self.inner_spec.mesh, self.inner_spec.placements, TensorMeta(meta.shape, meta.stride, dtype))
         return nn.Parameter(DTensor(view, spec, requires_grad=False), requires_grad=self.requires_grad)
+
+    def __deepcopy__(self, memo: dict) -> "FSDPParam":
+        """A copy for ``copy.deepcopy(model)``: the sharded parameter copied (an independent
+        DTensor), the unsharded one made anew over fresh storage (it cannot be cloned while
+        freed), holding a copy of the gathered values if they are gathered now."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.owners = copy.deepcopy(self.owners, memo)
+        new.inner_spec = copy.deepcopy(self.inner_spec, memo)
+        new.sharded = copy.deepcopy(self.sharded, memo)
+        new.unsharded = new._make_unsharded(self.sharded._local_tensor, self.unsharded.dtype)
+        memo[id(self.unsharded)] = new.unsharded
+        new._local = new.unsharded._local_tensor if new.inner_spec else new.unsharded
+        new._local.untyped_storage().resize_(0)
+        new.is_allocated = False
+        if self.is_allocated:
+            new.allocate()
+            new.padded_writer().copy_(self.padded_writer())
+        return new
 
     # ------------------------------------------------------------------ storage
     def local_shard(self) -> torch.Tensor:

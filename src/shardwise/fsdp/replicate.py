@@ -10,13 +10,14 @@ bucket has arrived, in a fixed order so every rank issues the same collectives.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.api import default_mesh, distribute_tensor
+from shardwise.api import distribute_tensor, world_mesh
 from shardwise.dtensor import DTensor
 from shardwise.fsdp.backward import queue_end_of_backward
 from shardwise.fsdp.buckets import plan_buckets
@@ -42,6 +43,16 @@ class ReplicatedParam:
         setattr(self.replicated, MANAGED_ATTR, True)
         self.local = nn.Parameter(self.replicated._local_tensor, requires_grad=param.requires_grad)
         owners.param = self.replicated  # drop the original tensor
+
+    def __deepcopy__(self, memo: dict) -> "ReplicatedParam":
+        """A copy whose plain view shares the copied DTensor's storage, as the original's does."""
+        new = object.__new__(ReplicatedParam)
+        memo[id(self)] = new
+        new.owners = copy.deepcopy(self.owners, memo)
+        new.replicated = copy.deepcopy(self.replicated, memo)
+        new.local = nn.Parameter(new.replicated._local_tensor, requires_grad=self.local.requires_grad)
+        memo[id(self.local)] = new.local
+        return new
 
     def use_local(self) -> None:
         if self.local.data_ptr() != self.replicated._local_tensor.data_ptr():
@@ -81,6 +92,19 @@ class ReplicateState:
     def install(self) -> None:
         self.module.register_forward_pre_hook(self._pre_forward, prepend=True)
         self.module.register_forward_hook(self._post_forward, always_call=True)
+        self._install_grad_hooks()
+
+    def __deepcopy__(self, memo: dict) -> "ReplicateState":
+        """The state of a ``copy.deepcopy``'d module: module hooks come with the module's copy;
+        the gradient hooks of the copied plain parameters are registered again."""
+        new = object.__new__(ReplicateState)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        new._install_grad_hooks()
+        return new
+
+    def _install_grad_hooks(self) -> None:
         for i, p in enumerate(self.params):
             if p.local.requires_grad:
                 p.local.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
@@ -150,9 +174,11 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None, bucket_cap_m
     where = f"replicate({label})"
     if module.__dict__.get(STATE_ATTR) is not None or state_of(module) is not None:
         raise ValueError(f"{where}: the module is already managed by replicate or fully_shard")
-    mesh = mesh if mesh is not None else default_mesh()
+    mesh = mesh if mesh is not None else world_mesh()
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError(f"{where}: replicate needs a 1-D data-parallel mesh, got {mesh}")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"{where}: rank {mesh.get_rank()} is not in {mesh.describe()}")
     if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
         raise ValueError(f"{where}: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
     entries = find_owners(module, set())

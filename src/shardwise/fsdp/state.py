@@ -18,6 +18,7 @@ nothing is left gathered or unreduced when ``backward()`` returns.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -61,6 +62,22 @@ class FSDPState:
         """Register the forward hooks and one post-accumulate-grad hook per trainable parameter."""
         self._handles.append(self.module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
         self._handles.append(self.module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True))
+        self._install_grad_hooks()
+
+    def __deepcopy__(self, memo: dict) -> "FSDPState":
+        """The state of a ``copy.deepcopy``'d module: its module hooks come with the module's
+        copy (bound to this copy); gradient hooks live on the unsharded parameters, which are
+        made anew (see ``FSDPParam.__deepcopy__``), so they are registered again here."""
+        new = object.__new__(FSDPState)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name != "_handles":
+                setattr(new, name, copy.deepcopy(value, memo))
+        new._handles = []
+        new._install_grad_hooks()
+        return new
+
+    def _install_grad_hooks(self) -> None:
         for p in self.group.params:
             if p.requires_grad:
                 self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated))

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from shardwise.dispatch.ops._common import aten
+from shardwise.dispatch.dispatcher import allow_mixed_meshes
 from shardwise.dispatch.registry import register_custom_handler
 
 __all__ = ["foreach_ops"]
@@ -163,3 +164,5 @@ def foreach_handler(op: Any, args: tuple, kwargs: dict) -> Any:
 
 
 register_custom_handler(*foreach_ops())(foreach_handler)
+# Position i only ever meets position i of the other lists, so the lists may mix meshes.
+allow_mixed_meshes(*foreach_ops())
