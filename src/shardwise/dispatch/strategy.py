@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shardwise.placement import Placement, Replicate, check_placements
-from shardwise.redistribute.plan import plan_redistribute
+from shardwise.redistribute.execute import plan_for
 from shardwise.spec import DTensorSpec
 
 __all__ = ["OpSchema", "Candidate", "AxisCandidate", "expand", "choose", "replicate_all"]
@@ -100,12 +100,10 @@ def input_cost(spec: DTensorSpec, target: tuple[Placement, ...] | None) -> float
         return 0
     try:
         check_placements(target)
-        spec.with_placements(target)
+        moved = spec.with_placements(target)
     except (TypeError, ValueError, IndexError):
         return float("inf")
-    meta = spec.tensor_meta
-    itemsize = torch.empty((), dtype=meta.dtype).element_size()
-    return plan_redistribute(meta.shape, itemsize, spec.mesh.shape, spec.placements, target).bytes_per_rank
+    return plan_for(spec, moved).bytes_per_rank
 
 
 def choose(schema: OpSchema, candidates: Sequence[Candidate]) -> Candidate | None:
