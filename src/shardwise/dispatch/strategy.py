@@ -106,11 +106,13 @@ def input_cost(spec: DTensorSpec, target: tuple[Placement, ...] | None) -> float
     return plan_for(spec, moved).bytes_per_rank
 
 
-def choose(schema: OpSchema, candidates: Sequence[Candidate]) -> Candidate | None:
+def choose(schema: OpSchema, candidates: Sequence[Candidate],
+           extra: Callable[[Candidate], float] | None = None) -> Candidate | None:
     """The candidate whose inputs are cheapest to reach; None if none is valid.
 
-    Cost is bytes moved, then the number of mesh axes whose placement changes (a free local
-    chunk still beats nothing only if it is needed), then the candidate's position in the list.
+    Cost is bytes moved (plus ``extra(candidate)`` bytes, when given: what happens after the
+    op), then the number of mesh axes whose placement changes (a free local chunk still beats
+    nothing only if it is needed), then the candidate's position in the list.
     """
     best, best_cost = None, (float("inf"), 0)
     for candidate in candidates:
@@ -120,6 +122,8 @@ def choose(schema: OpSchema, candidates: Sequence[Candidate]) -> Candidate | Non
                 f"{len(schema.specs)} DTensor inputs"
             )
         moved = sum(input_cost(s, t) for s, t in zip(schema.specs, candidate.inputs))
+        if extra is not None:
+            moved += extra(candidate)
         changes = sum(_changed_axes(s, t) for s, t in zip(schema.specs, candidate.inputs))
         if (moved, changes) < best_cost:
             best, best_cost = candidate, (moved, changes)
