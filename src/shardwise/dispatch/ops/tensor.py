@@ -368,14 +368,17 @@ def sort_strategy(schema: OpSchema) -> list[AxisCandidate]:
 
 
 # ---------------------------------------------------------------------- fills and copies
-def _partition_rewrite(position: int) -> Callable:
-    """On a rank whose coordinate is not 0 along an axis where the written tensor (the first
-    output) is Partial(sum) or Partial(product), replace the replicated value at ``position``
-    by the reduction's identity: the value is then counted once, not once per rank."""
+def _partition_rewrite(position: int, axes: Sequence[int] | None = None) -> Callable:
+    """On a rank whose coordinate is not 0 along an axis (of ``axes``, default all) where the
+    written tensor (the first output) is Partial(sum) or Partial(product), replace the
+    replicated value at ``position`` by the reduction's identity: the value is then counted
+    once, not once per rank."""
 
     def rewrite(args: list, kwargs: dict, output_specs: tuple) -> tuple[list, dict]:
         spec = output_specs[0]
         for axis, p in enumerate(spec.placements):
+            if axes is not None and axis not in axes:
+                continue
             if p.is_partial() and p.identity() is not None and spec.mesh.get_local_rank(axis) != 0:
                 args = list(args)
                 value = args[position]
@@ -425,15 +428,17 @@ def copy_strategy(schema: OpSchema) -> list[Candidate]:
     placements = spec.placements
     if not isinstance(src, DTensorSpec):  # a plain 0-dim source: a replicated value
         return [Candidate((placements,), (placements,), rewrite=_partition_rewrite(1))]
-    target = []
-    for p, q in zip(placements, src.placements):
+    target, replicated = [], []
+    for axis, (p, q) in enumerate(zip(placements, src.placements)):
         if p.is_shard():
             target.append(broadcast_dim(src, tuple(spec.shape), p.dim))
         elif p.is_partial() and q == p and _safe_cast(p.reduce_op, src.dtype, spec.dtype):
-            target.append(p)
+            target.append(p)  # each rank copies its own contribution
         else:
             target.append(R)
-    return [Candidate((placements, tuple(target)), (placements,), rewrite=_partition_rewrite(1))]
+            replicated.append(axis)
+    rewrite = _partition_rewrite(1, tuple(replicated)) if replicated else None
+    return [Candidate((placements, tuple(target)), (placements,), rewrite=rewrite)]
 
 
 @register_strategy(aten.fill.Scalar, aten.fill.Tensor)
