@@ -3,6 +3,11 @@
 Runs once per distinct (op, input specs, non-tensor arguments); the dispatcher caches the
 result. Output metadata (global shapes, dtypes) comes from running the op on meta tensors of the
 global shapes, so no strategy has to restate an op's shape semantics.
+
+In-place ops: a DTensor an op writes keeps its placements. Candidates that keep them win; if
+none does and the op writes only ``self``, it runs in the cheapest other layout (counting the
+way back) and the result is written back into self's own block (``_write_back``); otherwise
+(``out=``) it is an error, as in torch.
 """
 
 from __future__ import annotations

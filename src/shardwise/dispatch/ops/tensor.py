@@ -8,15 +8,17 @@ to wherever the op puts them in the output). Two further layouts need no gatheri
 * indices sharded along the result's index dims, data replicated: each rank looks up its own
   positions (``x[idx]`` with ``idx`` sharded, ``index_select`` / ``gather`` on a sharded index);
 * a pending reduction passes through an op that only moves values (a gather is linear and
-  order-preserving), and through writes when the written values carry the same reduction.
+  order-preserving), and through writes when the written values carry the same reduction;
+* ``gather`` along a dim the input shards, with an index of size 1 there: each rank picks the
+  positions it holds and writes 0 elsewhere, giving a Partial(sum) (``masked_gather``).
 
 Plain integer tensors given as indices are taken as replicated, like int arguments
 (``registry.allow_plain_indices``): ``x[torch.tensor([0, 2])]`` needs no wrapping. So are plain
 ``values`` of ``index_put``: autograd's backward of ``index_put`` writes plain zeros.
 
-``topk`` / ``sort`` need their dim whole; ``fill_`` / ``zero_`` keep the layout of the tensor
-they write, except that a Partial(sum) keeps its pending sum only through a fill with zero
-(any other value would be counted once per rank); ``item()`` needs the value replicated.
+``topk`` / ``sort`` need their dim whole; ``fill_`` / ``zero_`` and ``copy_`` keep the layout of
+the tensor they write (into a Partial(sum) the value goes to coordinate 0 and 0 elsewhere, or
+it would be counted once per rank); ``item()`` needs the value replicated.
 
 Boolean masks work for writes (``x[mask] = v``, ``index_put``) but not for reads
 (``x[mask]``): the result's shape depends on the mask's values, which the layout propagation
