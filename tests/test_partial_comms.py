@@ -59,6 +59,8 @@ def _cases_1d() -> dict:
     check("P+0-dim", lambda: p + torch.tensor(2.0), pv + 2.0)
     check("where(R,P,R)", lambda: torch.where(cond, p, r), torch.where(rt > 0, pv, rt))
     check("(P+R)*R", lambda: (p + r) * r, (pv + rt) * rt)
+    check("P.masked_fill(R, 2)", lambda: p.masked_fill(cond, 2.0), pv.masked_fill(rt > 0, 2.0))
+    check("P.masked_fill(R, 0-dim)", lambda: p.masked_fill(cond, torch.tensor(-3.0)), pv.masked_fill(rt > 0, -3.0))
     check("P*P", lambda: p * q, pv * qv)
     check("P/P", lambda: p / (q + 10), pv / (qv + 10))
     p2, _ = _partial(mesh)

@@ -197,6 +197,11 @@ def _write_back(plan: OutputPlan) -> Callable:
     def handler(func: Any, args: tuple, kwargs: dict) -> Any:
         from shardwise.dispatch import dispatcher
 
+        if getattr(args[0], "_copied_view", None):
+            raise RuntimeError(
+                f"{dispatcher.render_call(func, args, kwargs)}: in-place write into {args[0]._copied_view}, "
+                "whose input had to be redistributed, so it is a copy and the write would not reach the base tensor"
+            )
         DTensor = dispatcher._dtensor_cls()
         dtensors: list = []
         dispatcher._key(args, dtensors, DTensor)

@@ -12,6 +12,8 @@ stays Partial only through ops that commute with its pending reduction:
   mean(x_i) + c);
 * product (multiplicative): mul/div of Partials with anything (a replicated factor or scalar
   counts on coordinate 0 only, 1 elsewhere), abs, integer powers, where;
+* any: masked_fill with a replicated mask and value (for sum and product the value is written
+  on coordinate 0 only, the identity elsewhere);
 * max/min (order): adding a scalar or a replicated tensor, multiplying by a scalar >= 0, and
   negation or a negative scalar factor, which turn max into min and back; maximum/minimum of
   Partials of the same kind, clamping and maximum/minimum with replicated bounds (monotone
@@ -38,8 +40,8 @@ from shardwise.spec import DTensorSpec
 _FLIP = {"max": "min", "min": "max"}
 # Ops whose value is the same kind of reduction of the inputs' contributions, with each
 # non-Partial operand partitioned (coordinate 0 holds it, the others the identity).
-_ADDITIVE = ("add", "sub", "rsub", "where")
-_MULTIPLICATIVE = ("mul", "div", "where")
+_ADDITIVE = ("add", "sub", "rsub", "where", "masked_fill")
+_MULTIPLICATIVE = ("mul", "div", "where", "masked_fill")
 
 
 def pointwise_axis_candidates(schema: OpSchema) -> list[AxisCandidate]:
@@ -83,7 +85,8 @@ def _partitioned_scalars(schema: OpSchema) -> tuple[int, ...]:
     reduce_op = next(iter(ops))
     if not (reduce_op == "sum" and name in _ADDITIVE or reduce_op == "product" and name in _MULTIPLICATIVE):
         return ()
-    operands = (1, 2) if name == "where" else (1,)  # where(cond, a, b); add(self, other, alpha)
+    # where(cond, a, b); masked_fill(self, mask, value); add(self, other, alpha)
+    operands = {"where": (1, 2), "masked_fill": (2,)}.get(name, (1,))
     return tuple(i for i in operands if i < len(schema.args) and _is_scalar(schema.args[i]))
 
 
@@ -150,6 +153,12 @@ def _partial_rules(schema: OpSchema, reduce_op: str) -> list[tuple[str, tuple[Pl
         return [(reduce_op if linear else _FLIP[reduce_op], kept)] if reduce_op != "product" else []
     if name == "where":
         return _where_rules(schema, reduce_op, everything, kept)
+    if name == "masked_fill" and first_is_partial and len(partial_args) == 1 and _replicated(others):
+        # where(mask, value, x): the value is counted on coordinate 0 only for sum and product.
+        inputs = list(everything if reduce_op in ("sum", "product") else kept)
+        if len(schema.args) > 1 and isinstance(schema.args[1], DTensorSpec):
+            inputs[1] = R  # the mask
+        return [(reduce_op, tuple(inputs))]
     if name in ("add", "sub", "rsub"):
         if reduce_op == "sum":
             return [("sum", everything)]

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shardwise.dispatch.ops._common import R, aten, bind_arguments, broadcast_dim, cached_choice, localize, wrap_local
-from shardwise.dispatch.ops.pointwise import pointwise_axis_candidates
+from shardwise.dispatch.ops.pointwise import pointwise_candidates
 from shardwise.dispatch.registry import allow_plain_indices, register_layout_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
 from shardwise.placement import Partial, Placement, Shard
@@ -470,7 +470,7 @@ def equal_strategy(schema: OpSchema) -> list[AxisCandidate]:
 
 # ---------------------------------------------------------------------- masked fill
 # masked_fill.Scalar is tagged pointwise; the Tensor-value overloads are not.
-register_strategy(aten.masked_fill.Tensor, aten.masked_fill_.Tensor, replace=True)(pointwise_axis_candidates)
+register_strategy(aten.masked_fill.Tensor, aten.masked_fill_.Tensor, per_axis=False, replace=True)(pointwise_candidates)
 
 allow_plain_indices(aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default,
                     aten.index_add.default, aten.index_add_.default)
