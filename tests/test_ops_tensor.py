@@ -192,20 +192,20 @@ def _fill_partial():
         p.zero_()
         m.fill_(7.0)
     kept = (p.placements, p.full_tensor(), m.placements, m.full_tensor(), comms.get_total_counts())
-    # Writing 2 on every rank of a Partial(sum) would mean 8: the pending sum is settled first.
+    # Writing 2 on every rank of a Partial(sum) would mean 8: rank 0 writes 2, the others 0.
     with CommDebugMode() as comms:
         same = s.fill_(2.0) is s
-    settled = (same, s.placements, s.full_tensor(), comms.get_total_counts())
-    return kept, settled
+    written = (same, s.placements, s.full_tensor(), comms.get_total_counts())
+    return kept, written
 
 
 def test_fill_keeps_layout_rules_honest_for_partial(dist):
-    for kept, settled in dist.run(4, _fill_partial):
+    for kept, written in dist.run(4, _fill_partial):
         placements, value, mplacements, mvalue, comms = kept
         assert placements == (Partial(),) and torch.equal(value, torch.zeros(3))
         assert mplacements == (Partial("max"),) and torch.equal(mvalue, torch.full((3,), 7.0)) and comms == 0
-        same, splacements, svalue, scomms = settled
-        assert same and not splacements[0].is_partial() and scomms > 0
+        same, splacements, svalue, scomms = written
+        assert same and splacements == (Partial(),) and scomms == 0
         assert torch.equal(svalue, torch.full((3,), 2.0))
 
 
@@ -229,8 +229,14 @@ def test_plain_tensors_are_only_accepted_as_integer_indices(dist):
 def _put_into_sharded_indexed_dim():
     mesh = sw.init_device_mesh("cpu", (4,))
     d = sw.distribute_tensor(torch.zeros(4, 8), mesh, [Shard(1)])
+    block = d._local_tensor
     d[:, torch.tensor([1, 5])] = sw.distribute_tensor(torch.ones(4, 2), mesh, [R])
+    return d.placements, d._local_tensor is block, d.full_tensor()
 
 
-def test_writing_in_place_along_a_sharded_indexed_dim_is_an_error(dist):
-    dist.run_expect_error(4, _put_into_sharded_indexed_dim, match=r"aten\.index_put_.*in place")
+def test_writing_in_place_along_a_sharded_indexed_dim_keeps_the_layout(dist):
+    # The write runs in a layout where dim 1 is whole and lands back in self's own block.
+    expected = torch.zeros(4, 8)
+    expected[:, [1, 5]] = 1
+    for placements, same_block, value in dist.run(4, _put_into_sharded_indexed_dim):
+        assert placements == (Shard(1),) and same_block and torch.equal(value, expected)

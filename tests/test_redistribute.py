@@ -99,7 +99,9 @@ def _check(out, mesh_shape, shape):
             logical[index] += local
         assert torch.allclose(logical, x), f"{src}->{dst}: wrong values"
         assert all(p[0] == dst for p in per_rank), f"{src}->{dst}: wrong placements"
-        plan = plan_redistribute(shape, 8, mesh_shape, src, dst)
+        # The mesh spans the world: Partials on all its axes reduce together over WORLD.
+        flattened = [tuple(range(len(mesh_shape)))] if len(mesh_shape) > 1 else []
+        plan = plan_redistribute(shape, 8, mesh_shape, src, dst, flattened)
         steps = [s for s in plan.steps if s.collective in plan.collectives]
         for rank, (_, _, _, _, kinds, sent) in enumerate(per_rank):
             # A group whose blocks are all empty skips a step, together; no rank sends more.

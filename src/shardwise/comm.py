@@ -233,10 +233,11 @@ def _failure(err: RuntimeError, kind: str, seq: int, group, mesh, axis, nbytes) 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "product": dist.ReduceOp.PRODUCT}
 _LOCAL_REDUCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sum": lambda t: t.sum(0), "avg": lambda t: t.sum(0),
-    "max": lambda t: t.amax(0), "min": lambda t: t.amin(0),
+    "max": lambda t: t.amax(0), "min": lambda t: t.amin(0), "product": lambda t: t.prod(0),
 }
 
 

@@ -6,7 +6,7 @@ A DTensor carries one placement per mesh axis:
   rank of the axis (ceil-sized pieces; trailing ranks may hold fewer or zero rows).
 * ``Replicate()``: every rank of the axis holds the same values.
 * ``Partial(op)``: every rank holds a same-shaped tensor; the logical value is the reduction
-  (``sum``, ``avg``, ``max``, ``min``) of them over the axis.
+  (``sum``, ``avg``, ``max``, ``min``, ``product``) of them over the axis.
 
 Placements are immutable values; they own their own arithmetic (chunk sizes and offsets, how to
 split a replicated value into partial contributions) so that the contract
@@ -99,12 +99,13 @@ class Replicate(Placement):
 class Partial(Placement):
     """Each rank holds a contribution; the value is their ``reduce_op`` over the mesh axis.
 
-    ``sum`` and ``avg`` are linear, ``max`` and ``min`` are not: only ops that commute with the
-    pending reduction may keep a Partial (the dispatcher enforces this).
+    ``sum`` and ``avg`` are linear, ``max`` and ``min`` are orders, ``product`` is
+    multiplicative: only ops that commute with the pending reduction may keep a Partial (the
+    dispatcher enforces this).
     """
 
     reduce_op: str = "sum"
-    REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg", "max", "min")
+    REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg", "max", "min", "product")
 
     def __post_init__(self) -> None:
         if self.reduce_op not in self.REDUCE_OPS:
@@ -115,15 +116,21 @@ class Partial(Placement):
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
 
+    def identity(self) -> int | None:
+        """The reduction's neutral element when repeating a value would change it (0 for sum,
+        1 for product); None for avg, max and min, whose reduction of equal values is that value."""
+        return _IDENTITY.get(self.reduce_op)
+
     def partition_value(self, value: torch.Tensor, axis_rank: int) -> torch.Tensor:
         """This rank's contribution such that reducing all contributions gives back ``value``.
 
-        For ``sum`` the first rank keeps the value and the others hold zeros: exact for every
-        dtype (dividing by the axis size would round). ``avg``, ``max`` and ``min`` keep it
+        For ``sum`` the first rank keeps the value and the others hold zeros, for ``product``
+        ones (the identity of the reduction): exact for every dtype, where dividing by the axis
+        size or taking an n-th root would round. ``avg``, ``max`` and ``min`` keep it
         everywhere, since their reduction of equal values is that value.
         """
-        if self.reduce_op == "sum" and axis_rank != 0:
-            return torch.zeros_like(value)
+        if axis_rank != 0 and self.reduce_op in _IDENTITY:
+            return torch.full_like(value, _IDENTITY[self.reduce_op])
         return value
 
     def __repr__(self) -> str:
@@ -132,6 +139,9 @@ class Partial(Placement):
     def __str__(self) -> str:
         return f"P({self.reduce_op})"
 
+
+# The neutral element of each reduction whose repeated value would not reduce to itself.
+_IDENTITY = {"sum": 0, "product": 1}
 
 ACCEPTED = "Shard(dim), Replicate() or Partial(reduce_op)"
 

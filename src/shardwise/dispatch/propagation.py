@@ -3,6 +3,11 @@
 Runs once per distinct (op, input specs, non-tensor arguments); the dispatcher caches the
 result. Output metadata (global shapes, dtypes) comes from running the op on meta tensors of the
 global shapes, so no strategy has to restate an op's shape semantics.
+
+In-place ops: a DTensor an op writes keeps its placements. Candidates that keep them win; if
+none does and the op writes only ``self``, it runs in the cheapest other layout (counting the
+way back) and the result is written back into self's own block (``_write_back``); otherwise
+(``out=``) it is an error, as in torch.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class OutputPlan:
     # Positions of the DTensors among the positional arguments, when that is all there is
     # (no DTensor inside a list or a keyword): lets the hot path swap blocks in directly.
     positions: tuple[int, ...] | None = None
-    # Mutated DTensors whose pending reduction is settled before the op: re-pointed in place.
+    # Mutated DTensors re-pointed to their moved blocks. Always empty: a mutated DTensor keeps
+    # its layout (an in-place op that cannot keep it writes its result back, see _write_back).
     rebind: tuple[int, ...] = ()
 
 
@@ -118,12 +124,19 @@ def _propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, d
     if registration is None:
         _warn_fallback(op, describe())
         candidate = replicate_all(schema, len(outputs))
+        write_back = not _keeps_mutated(op, schema, candidate)
+        if write_back and not _mutates_self_only(op, schema):
+            raise UnsupportedOp(f"{describe()}: the replicate fallback cannot write into "
+                                f"{_mutated_layouts(op, schema)} in place; use the out-of-place op")
     else:
-        candidate = _candidate(op, schema, registration, len(outputs), describe)
-    return _plan(schema, candidate, outputs)
+        candidate, write_back = _candidate(op, schema, registration, len(outputs), describe)
+    plan = _plan(schema, candidate, outputs)
+    return OutputPlan("custom", handler=_write_back(plan)) if write_back else plan
 
 
-def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, describe) -> Candidate:
+def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, describe) -> tuple[Candidate, bool]:
+    """The chosen layout, and whether the mutated ``self`` must be written back into its own
+    layout after the op ran in another one (see ``_write_back``)."""
     if registration.kind == "rule":
         candidates = [registration.fn(schema)]
     elif registration.per_axis:
@@ -132,19 +145,87 @@ def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, descri
         candidates = registration.fn(schema)
     candidates = [c for c in candidates if c is not None and _valid_outputs(c)]
     best = choose(schema, [c for c in candidates if _keeps_mutated(op, schema, c)])
-    if best is None and _mutated_inputs(op):
-        # A mutated tensor with a pending reduction may settle it first: its logical value does
-        # not change, only its layout (the same DTensor object is re-pointed to the new block).
-        best = choose(schema, [c for c in candidates if _settles_mutated(op, schema, c)])
-    if best is None:
-        if fallback_enabled():
-            _warn_fallback(op, describe())
-            return replicate_all(schema, num_outputs)
+    if best is not None:
+        return best, False
+    if _mutates_self_only(op, schema):
+        # In place, but no layout keeps self's: run it in the cheapest layout (the way back
+        # into self's layout counted too), then write the result into self's own block.
+        best = choose(schema, [c for c in candidates if c.outputs and c.outputs[0] is not None],
+                      extra=lambda c: _write_back_cost(schema, c))
+        if best is not None:
+            return best, True
+    if fallback_enabled() and not _mutated_inputs(op):
+        _warn_fallback(op, describe())
+        return replicate_all(schema, num_outputs), False
+    if _mutated_inputs(op):
         raise UnsupportedOp(
-            f"{describe()}: no layout of the inputs supports this op"
-            + (" in place (the mutated tensor cannot change its layout)" if _mutated_inputs(op) else "")
+            f"{describe()}: an in-place operation that would change the layout of the tensor it writes "
+            f"({_mutated_layouts(op, schema)}); no layout of the inputs keeps it. Use the out-of-place op "
+            "and assign the result"
         )
-    return best
+    raise UnsupportedOp(f"{describe()}: no layout of the inputs supports this op")
+
+
+def _mutates_self_only(op: Any, schema: OpSchema) -> bool:
+    """An in-place op proper: it writes its first argument (a DTensor), nothing else, and returns it."""
+    return (_mutated_inputs(op) == [op._schema.arguments[0].name] and bool(schema.args)
+            and isinstance(schema.args[0], DTensorSpec) and _returns(schema, False) == "self")
+
+
+def _mutated_layouts(op: Any, schema: OpSchema) -> str:
+    specs = [schema.specs[i] for i in _mutated_spec_indices(op, schema, _mutated_inputs(op))]
+    return ", ".join(s.render() for s in specs) or "a plain tensor"
+
+
+def _write_back_cost(schema: OpSchema, candidate: Candidate) -> float:
+    """Bytes to bring the op's result (self's output layout) back into self's layout."""
+    from shardwise.dispatch.strategy import input_cost
+
+    spec = schema.specs[0]
+    return input_cost(spec.with_placements(candidate.outputs[0]), spec.placements)
+
+
+def _write_back(plan: OutputPlan) -> Callable:
+    """Run an in-place op whose ``self`` had to change layout, and keep ``self``'s layout.
+
+    The op runs on the redistributed blocks; its result (laid out as the plan's first output)
+    is redistributed back to self's layout and copied into self's own block, so self keeps
+    its placements and its storage (views of it see the write).
+    """
+    from shardwise.redistribute.execute import redistribute_local
+
+    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
+        from shardwise.dispatch import dispatcher
+
+        if getattr(args[0], "_copied_view", None):
+            raise RuntimeError(
+                f"{dispatcher.render_call(func, args, kwargs)}: in-place write into {args[0]._copied_view}, "
+                "whose input had to be redistributed, so it is a copy and the write would not reach the base tensor"
+            )
+        DTensor = dispatcher._dtensor_cls()
+        dtensors: list = []
+        dispatcher._key(args, dtensors, DTensor)
+        dispatcher._key(kwargs.values(), dtensors, DTensor)
+        blocks = [
+            dt._local_tensor if target is None else redistribute_local(dt._local_tensor, dt._spec, target)
+            for dt, target in zip(dtensors, plan.input_specs)
+        ]
+        it = iter(blocks)
+        local_args = dispatcher._swap(args, it)
+        local_kwargs = dict(zip(kwargs, dispatcher._swap(kwargs.values(), it))) if kwargs else {}
+        if plan.rewrite is not None:
+            local_args, local_kwargs = plan.rewrite(local_args, local_kwargs, plan.output_specs)
+        try:
+            result = func(*local_args, **local_kwargs)
+        except Exception as err:
+            raise with_layouts(err, dispatcher.render_call(func, args, kwargs)) from None
+        target = args[0]
+        back = redistribute_local(result, plan.output_specs[0], target._spec)
+        if back is not target._local_tensor:
+            target._local_tensor.copy_(back)
+        return target
+
+    return handler
 
 
 def _plan(schema: OpSchema, candidate: Candidate, outputs: list) -> OutputPlan:
@@ -160,10 +241,7 @@ def _plan(schema: OpSchema, candidate: Candidate, outputs: list) -> OutputPlan:
         else:
             specs.append(None)
     moves = any(s is not None for s in inputs)
-    names = _mutated_inputs(schema.op)
-    rebind = tuple(i for i in _mutated_spec_indices(schema.op, schema, names) if inputs[i] is not None) if names else ()
-    return OutputPlan("run", inputs, tuple(specs), candidate.rewrite, returns=_returns(schema, moves), moves_inputs=moves,
-                      rebind=rebind)
+    return OutputPlan("run", inputs, tuple(specs), candidate.rewrite, returns=_returns(schema, moves), moves_inputs=moves)
 
 
 def _returns(schema: OpSchema, moves: bool) -> str:
@@ -212,18 +290,6 @@ def _valid_outputs(candidate: Candidate) -> bool:
     """Output layouts must be layouts: no mix of pending reduction kinds (per-axis expansion can make one)."""
     for placements in candidate.outputs:
         if placements is not None and len({p.reduce_op for p in placements if p.is_partial()}) > 1:
-            return False
-    return True
-
-
-def _settles_mutated(op: Any, schema: OpSchema, candidate: Candidate) -> bool:
-    """Every mutated DTensor is Partial now, and the candidate reduces it and keeps the result."""
-    mutated = _mutated_spec_indices(op, schema, _mutated_inputs(op))
-    for out_index, i in enumerate(mutated):
-        target = candidate.inputs[i]
-        if not schema.specs[i].has_partial or target is None or any(p.is_partial() for p in target):
-            return False
-        if out_index < len(candidate.outputs) and candidate.outputs[out_index] not in (None, target):
             return False
     return True
 

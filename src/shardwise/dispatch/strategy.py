@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shardwise.placement import Placement, Replicate, check_placements
-from shardwise.redistribute.plan import plan_redistribute
+from shardwise.redistribute.execute import plan_for
 from shardwise.spec import DTensorSpec
 
 __all__ = ["OpSchema", "Candidate", "AxisCandidate", "expand", "choose", "replicate_all"]
@@ -100,19 +100,19 @@ def input_cost(spec: DTensorSpec, target: tuple[Placement, ...] | None) -> float
         return 0
     try:
         check_placements(target)
-        spec.with_placements(target)
+        moved = spec.with_placements(target)
     except (TypeError, ValueError, IndexError):
         return float("inf")
-    meta = spec.tensor_meta
-    itemsize = torch.empty((), dtype=meta.dtype).element_size()
-    return plan_redistribute(meta.shape, itemsize, spec.mesh.shape, spec.placements, target).bytes_per_rank
+    return plan_for(spec, moved).bytes_per_rank
 
 
-def choose(schema: OpSchema, candidates: Sequence[Candidate]) -> Candidate | None:
+def choose(schema: OpSchema, candidates: Sequence[Candidate],
+           extra: Callable[[Candidate], float] | None = None) -> Candidate | None:
     """The candidate whose inputs are cheapest to reach; None if none is valid.
 
-    Cost is bytes moved, then the number of mesh axes whose placement changes (a free local
-    chunk still beats nothing only if it is needed), then the candidate's position in the list.
+    Cost is bytes moved (plus ``extra(candidate)`` bytes, when given: what happens after the
+    op), then the number of mesh axes whose placement changes (a free local chunk still beats
+    nothing only if it is needed), then the candidate's position in the list.
     """
     best, best_cost = None, (float("inf"), 0)
     for candidate in candidates:
@@ -122,6 +122,8 @@ def choose(schema: OpSchema, candidates: Sequence[Candidate]) -> Candidate | Non
                 f"{len(schema.specs)} DTensor inputs"
             )
         moved = sum(input_cost(s, t) for s, t in zip(schema.specs, candidate.inputs))
+        if extra is not None:
+            moved += extra(candidate)
         changes = sum(_changed_axes(s, t) for s, t in zip(schema.specs, candidate.inputs))
         if (moved, changes) < best_cost:
             best, best_cost = candidate, (moved, changes)

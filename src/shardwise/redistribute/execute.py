@@ -1,10 +1,21 @@
-"""Run a redistribute plan on this rank's block, one step at a time, through ``comm``."""
+"""Run a redistribute plan on this rank's block, one step at a time, through ``comm``.
+
+A step that reduces several Partial axes at once runs over their flattened group. That group
+is used only where it exists already on every rank (``flattened_groups``): creating a process
+group is a collective over the whole world, which ranks busy elsewhere (another pipeline
+stage) would never join.
+"""
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 
 from shardwise import blocks, comm
+from shardwise import mesh as mesh_module
+from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, Replicate, Shard
 from shardwise.redistribute.cross_mesh import plan_cross_mesh
 from shardwise.redistribute.plan import Plan, Step, plan_redistribute
@@ -17,7 +28,68 @@ def plan_for(src: DTensorSpec, dst: DTensorSpec) -> Plan:
     """The (cached) plan taking a tensor laid out as ``src`` to ``dst``."""
     meta = src.tensor_meta
     itemsize = torch.empty((), dtype=meta.dtype).element_size()
-    return plan_redistribute(meta.shape, itemsize, src.mesh.shape, src.placements, dst.placements)
+    flattened = flattened_groups(src.mesh) if _partial_axes(src) > 1 else ()
+    return plan_redistribute(meta.shape, itemsize, src.mesh.shape, src.placements, dst.placements, flattened)
+
+
+def _partial_axes(spec: DTensorSpec) -> int:
+    return sum(p.is_partial() for p in spec.placements)
+
+
+# (mesh, number of process groups known) -> axis sets whose flattened group exists.
+_FLATTENED: dict = {}
+_FLAT_MESHES: dict = {}
+
+
+def flattened_groups(mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
+    """Sets of two or more axes (each of size > 1) of ``mesh`` whose flattened process group
+    exists on every rank, so one all_reduce over it may replace one per axis.
+
+    The answer is the same on every rank: groups are created by all ranks together, and a
+    group over the whole world always exists. Cached until new groups appear.
+    """
+    key = (mesh, mesh_module.num_cached_groups())
+    found = _FLATTENED.get(key)
+    if found is None:
+        axes = [a for a in range(mesh.ndim) if mesh.size(a) > 1]
+        found = tuple(
+            combo
+            for k in range(2, len(axes) + 1)
+            for combo in itertools.combinations(axes, k)
+            if all(_group_exists(ranks) for ranks in _flat_slices(mesh, combo))
+        )
+        if len(_FLATTENED) > 256:
+            _FLATTENED.clear()
+        _FLATTENED[key] = found
+    return found
+
+
+def _root_dims(mesh: DeviceMesh, axes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for a in axes for d in mesh._axis_dims[a])
+
+
+def _flat_slices(mesh: DeviceMesh, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every copy of the flattened axes in the root grid (row-major walk of each)."""
+    root, dims = mesh._root, _root_dims(mesh, axes)
+    rest = [d for d in range(root.ndim) if d not in dims]
+    width = math.prod(root.mesh.shape[d] for d in dims)
+    rows = root.mesh.permute(rest + list(dims)).reshape(-1, width)
+    return [tuple(int(r) for r in row) for row in rows]
+
+
+def _group_exists(ranks: tuple[int, ...]) -> bool:
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 0
+    return ranks in mesh_module._GROUPS or ranks == tuple(range(world))
+
+
+def _flat_mesh(mesh: DeviceMesh, axes: tuple[int, ...]) -> DeviceMesh:
+    """A 1-D mesh over this rank's flattened slice of ``axes`` (its groups exist: see above)."""
+    key = (mesh, axes)
+    flat = _FLAT_MESHES.get(key)
+    if flat is None:
+        name = "+".join(mesh.axis_name(a) for a in axes)
+        flat = _FLAT_MESHES[key] = mesh._root._submesh((name,), [_root_dims(mesh, axes)])
+    return flat
 
 
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
@@ -40,7 +112,7 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
     layout = list(src.placements)
     for step in plan.steps:
         local = _run_step(local, step, src, tuple(layout))
-        layout[step.axis] = step.dst
+        layout = list(step.apply(tuple(layout)))
     return local
 
 
@@ -88,6 +160,8 @@ def _run_step(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple)
         return new.partition_value(local, mesh.get_local_rank(axis))
     if kind == "all_gather":
         return comm.all_gather(local, mesh, axis, cur.dim, _lengths(spec, layout, axis, cur.dim))
+    if kind == "all_reduce" and step.flattened:
+        return comm.all_reduce(local, _flat_mesh(mesh, step.flattened), 0, cur.reduce_op)
     if kind == "all_reduce":
         return comm.all_reduce(local, mesh, axis, cur.reduce_op)
     if kind == "reduce_scatter":

@@ -11,6 +11,10 @@ dim d is only legal when no later axis also cuts d: otherwise this rank's block 
 a piece and the step would stitch the wrong rows together. The planner searches the small
 graph of layouts (Dijkstra) for the path with the fewest bytes sent by the busiest rank, ties
 broken by fewer steps and then by a fixed order, so every rank derives the same plan.
+
+One step may change several axes: Partial on axes {a, b, ...} -> Replicate by ONE all_reduce
+over their flattened group, when the caller says that group exists (``flattened``). Two
+all_reduces over 2 ranks each send twice the data of one over 4; the merged step wins.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ Layout = tuple[Placement, ...]
 class Step:
     """Change mesh ``axis`` from ``src`` to ``dst`` with ``collective``.
 
-    ``bytes_per_rank`` is what the busiest rank of the axis sends.
+    ``bytes_per_rank`` is what the busiest rank of the axis sends. ``flattened`` (two or more
+    axes, ``axis`` the first) marks a reduction over all of them at once, by their flattened
+    group; otherwise it is empty.
     """
 
     axis: int
@@ -41,9 +47,23 @@ class Step:
     dst: Placement
     collective: str
     bytes_per_rank: int
+    flattened: tuple[int, ...] = ()
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        """Every mesh axis this step changes."""
+        return self.flattened or (self.axis,)
+
+    def apply(self, layout: Layout) -> Layout:
+        """``layout`` after this step."""
+        out = list(layout)
+        for axis in self.axes:
+            out[axis] = self.dst
+        return tuple(out)
 
     def __str__(self) -> str:
-        return f"axis {self.axis}: {self.src} -> {self.dst} by {self.collective} ({self.bytes_per_rank} B)"
+        where = f"axes {'+'.join(map(str, self.flattened))}" if self.flattened else f"axis {self.axis}"
+        return f"{where}: {self.src} -> {self.dst} by {self.collective} ({self.bytes_per_rank} B)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,26 +94,30 @@ def plan_redistribute(
     mesh_shape: Sequence[int],
     src: Sequence[Placement],
     dst: Sequence[Placement],
+    flattened: Sequence[Sequence[int]] = (),
 ) -> Plan:
-    """The cheapest sequence of single-axis steps from layout ``src`` to layout ``dst``.
+    """The cheapest sequence of steps from layout ``src`` to layout ``dst``.
 
     Args:
         global_shape: the logical tensor's shape (Shard dims already non-negative).
         itemsize: bytes per element.
         mesh_shape: ranks along each mesh axis.
         src, dst: one placement per axis.
+        flattened: sets of axes (ascending) whose flattened process group exists: Partials on
+            those axes may be reduced together by one all_reduce.
 
     Raises:
         ValueError: no path exists (cannot happen for valid layouts; kept as a guard).
     """
-    return _plan(tuple(global_shape), itemsize, tuple(mesh_shape), tuple(src), tuple(dst))
+    groups = tuple(sorted(tuple(sorted(g)) for g in flattened))
+    return _plan(tuple(global_shape), itemsize, tuple(mesh_shape), tuple(src), tuple(dst), groups)
 
 
 @lru_cache(maxsize=4096)
-def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layout) -> Plan:
+def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layout, flattened: tuple = ()) -> Plan:
     if src == dst:
         return Plan(())
-    ctx = _Context(shape, itemsize, mesh_shape, _partial_ops(src, dst))
+    ctx = _Context(shape, itemsize, mesh_shape, _partial_ops(src, dst), flattened)
     # (bytes, steps, tie-break key, layout, path)
     frontier: list = [(0, 0, "", src, ())]
     settled: set[Layout] = set()
@@ -105,7 +129,7 @@ def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layo
             continue
         settled.add(layout)
         for step in _moves(ctx, layout):
-            nxt = layout[: step.axis] + (step.dst,) + layout[step.axis + 1 :]
+            nxt = step.apply(layout)
             if nxt not in settled:
                 entry = (cost + step.bytes_per_rank, n_steps + 1, key + "|" + str(step), nxt, path + (step,))
                 heapq.heappush(frontier, entry)
@@ -128,6 +152,7 @@ class _Context:
     itemsize: int
     mesh_shape: tuple
     partials: tuple[Partial, ...]
+    flattened: tuple[tuple[int, ...], ...] = ()
 
     def candidates(self) -> list[Placement]:
         """Every placement one axis may take along the way."""
@@ -140,6 +165,21 @@ class _Context:
                 step = self.step(layout, axis, current, target)
                 if step is not None:
                     steps.append(step)
+        return steps + self.merged_reductions(layout)
+
+    def merged_reductions(self, layout: Layout) -> list[Step]:
+        """Partial -> Replicate on every axis of a flattened group at once (one all_reduce).
+
+        Legal whatever the other axes hold: a reduction changes no block's shape.
+        """
+        steps = []
+        for axes in self.flattened:
+            first = layout[axes[0]]
+            if not first.is_partial() or any(layout[a] != first for a in axes):
+                continue
+            n = math.prod(self.mesh_shape[a] for a in axes)
+            sent = self._sent("all_reduce", n, self._local_shape(layout), ())
+            steps.append(Step(axes[0], first, Replicate(), "all_reduce", sent * self.itemsize, axes))
         return steps
 
     def step(self, layout: Layout, axis: int, cur: Placement, new: Placement) -> Step | None:

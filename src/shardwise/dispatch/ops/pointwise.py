@@ -4,11 +4,20 @@ On each mesh axis the output may be sharded on any dim, with each input sharded 
 matching dim (or replicated where it broadcasts), or everything replicated. A Partial input
 stays Partial only through ops that commute with its pending reduction:
 
-* sum/avg (linear): neg; add/sub of two such Partials; mul/div by a scalar or a replicated
-  factor; avg also through adding a scalar or a replicated tensor (the mean of x_i + c is
-  mean(x_i) + c, whereas a sum would count c once per rank);
+* sum (linear): neg; add/sub/where of Partials with anything: a replicated operand (or a
+  scalar) contributes from mesh coordinate 0 only, 0 elsewhere (its ``partition`` into
+  Partial(sum), free); mul/div by a replicated factor; of two Partials multiplied, one is
+  reduced, not both;
+* avg: the same, except that replicated addends stay as they are (the mean of x_i + c is
+  mean(x_i) + c);
+* product (multiplicative): mul/div of Partials with anything (a replicated factor or scalar
+  counts on coordinate 0 only, 1 elsewhere), abs, integer powers, where;
+* any: masked_fill with a replicated mask and value (for sum and product the value is written
+  on coordinate 0 only, the identity elsewhere);
 * max/min (order): adding a scalar or a replicated tensor, multiplying by a scalar >= 0, and
-  negation or a negative scalar factor, which turn max into min and back.
+  negation or a negative scalar factor, which turn max into min and back; maximum/minimum of
+  Partials of the same kind, clamping and maximum/minimum with replicated bounds (monotone
+  maps commute with max and min), where.
 
 Everything else reduces first; the cost model picks reduce_scatter over all_reduce when it can.
 Random ops (tagged nondeterministic_seeded) are excluded: see ``ops/random.py``.
@@ -16,18 +25,23 @@ Random ops (tagged nondeterministic_seeded) are excluded: see ``ops/random.py``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from numbers import Number
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from shardwise.dispatch.ops._common import R, aten, aten_ops_tagged, broadcast_dim, num_tensor_outputs, tensor_shapes
 from shardwise.dispatch.registry import register_strategy, scalars_matter_by_sign_only
-from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema
+from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
 from shardwise.placement import Partial, Placement, Shard
 from shardwise.spec import DTensorSpec
 
 _FLIP = {"max": "min", "min": "max"}
+# Ops whose value is the same kind of reduction of the inputs' contributions, with each
+# non-Partial operand partitioned (coordinate 0 holds it, the others the identity).
+_ADDITIVE = ("add", "sub", "rsub", "where", "masked_fill")
+_MULTIPLICATIVE = ("mul", "div", "where", "masked_fill")
 
 
 def pointwise_axis_candidates(schema: OpSchema) -> list[AxisCandidate]:
@@ -40,61 +54,183 @@ def pointwise_axis_candidates(schema: OpSchema) -> list[AxisCandidate]:
         if out_shape[d] > 1:
             candidates.append((Shard(d),) * n_out + tuple(broadcast_dim(s, out_shape, d) for s in specs))
     candidates.append((R,) * (n_out + len(specs)))
-    partial = _partial_candidate(schema, n_out)
-    if partial is not None:
-        candidates.insert(0, partial)
-    return candidates
+    return _partial_candidates(schema, n_out) + candidates
 
 
-def _partial_candidate(schema: OpSchema, n_out: int) -> AxisCandidate | None:
-    """The layout keeping a pending reduction, if this op commutes with it (see module doc)."""
-    ops = {p.reduce_op for s in schema.specs for p in s.placements if isinstance(p, Partial)}
+def pointwise_candidates(schema: OpSchema) -> list[Candidate]:
+    """Every N-D layout; those keeping a pending sum or product through an op with scalar
+    operands get a rewrite that gives the scalar to coordinate 0 only (see ``_scalar_rewrite``)."""
+    n_out = max(num_tensor_outputs(schema.op), 1)
+    candidates = expand(pointwise_axis_candidates(schema), n_out, schema.mesh.ndim)
+    positions = _partitioned_scalars(schema)
+    if not positions:
+        return candidates
+    return [
+        replace(c, rewrite=_scalar_rewrite(positions)) if _keeps_identity_partial(c) else c
+        for c in candidates
+    ]
+
+
+def _keeps_identity_partial(candidate: Candidate) -> bool:
+    out = candidate.outputs[0] if candidate.outputs else None
+    return out is not None and any(p.is_partial() and p.identity() is not None for p in out)
+
+
+def _partitioned_scalars(schema: OpSchema) -> tuple[int, ...]:
+    """Positions of scalar operands that a kept sum or product must count once, not per rank."""
+    name = _name(schema)
+    ops = _partial_ops(schema)
     if len(ops) != 1:
-        return None
+        return ()
+    reduce_op = next(iter(ops))
+    if not (reduce_op == "sum" and name in _ADDITIVE or reduce_op == "product" and name in _MULTIPLICATIVE):
+        return ()
+    # where(cond, a, b); masked_fill(self, mask, value); add(self, other, alpha)
+    operands = {"where": (1, 2), "masked_fill": (2,)}.get(name, (1,))
+    return tuple(i for i in operands if i < len(schema.args) and _is_scalar(schema.args[i]))
+
+
+def _is_scalar(value: Any) -> bool:
+    return (isinstance(value, Number) and not isinstance(value, bool)) or (
+        isinstance(value, torch.Tensor) and value.ndim == 0
+    )
+
+
+def _scalar_rewrite(positions: tuple[int, ...]) -> Callable:
+    """Replace the scalars at ``positions`` by the reduction's identity on every rank whose
+    coordinate is not 0 along some axis where the output keeps a pending sum or product."""
+
+    def rewrite(args: list, kwargs: dict, output_specs: tuple) -> tuple[list, dict]:
+        spec = output_specs[0]
+        mesh = spec.mesh
+        identity = None
+        for axis, p in enumerate(spec.placements):
+            if p.is_partial() and p.identity() is not None and mesh.get_local_rank(axis) != 0:
+                identity = p.identity()
+        if identity is None:
+            return args, kwargs
+        args = list(args)
+        for i in positions:
+            value = args[i]
+            args[i] = torch.full_like(value, identity) if isinstance(value, torch.Tensor) else type(value)(identity)
+        return args, kwargs
+
+    return rewrite
+
+
+def _name(schema: OpSchema) -> str:
+    return schema.op._schema.name.split("::")[-1].rstrip("_")
+
+
+def _partial_ops(schema: OpSchema) -> set[str]:
+    return {p.reduce_op for s in schema.specs for p in s.placements if isinstance(p, Partial)}
+
+
+def _partial_candidates(schema: OpSchema, n_out: int) -> list[AxisCandidate]:
+    """The layouts keeping a pending reduction, if this op commutes with it (see module doc)."""
+    ops = _partial_ops(schema)
+    if len(ops) != 1:
+        return []
     reduce_op = ops.pop()
-    out = _partial_output(schema, reduce_op)
-    if out is None:
-        return None
-    inputs = tuple(Partial(reduce_op) if s.has_partial else R for s in schema.specs)
-    return (Partial(out),) * n_out + inputs
+    return [(Partial(out),) * n_out + inputs for out, inputs in _partial_rules(schema, reduce_op)]
 
 
-def _partial_output(schema: OpSchema, reduce_op: str) -> str | None:
-    """The reduce op of the output if the op commutes with ``reduce_op``, else None."""
-    name = schema.op._schema.name.split("::")[-1].rstrip("_")
+def _partial_rules(schema: OpSchema, reduce_op: str) -> list[tuple[str, tuple[Placement, ...]]]:
+    """(output reduce op, input placements) pairs under which the op commutes with ``reduce_op``."""
+    name = _name(schema)
+    specs = schema.specs
+    P = Partial(reduce_op)
+    kept = tuple(P if s.has_partial else R for s in specs)  # Partials pass, the rest replicated
+    everything = (P,) * len(specs)  # the rest partitioned: counted on coordinate 0 only
     partial_args = [a for a in schema.args if isinstance(a, DTensorSpec) and a.has_partial]
-    others = [a for a in schema.args[1:] if a not in partial_args] if schema.args else []
     first_is_partial = bool(schema.args) and isinstance(schema.args[0], DTensorSpec) and schema.args[0].has_partial
+    others = [a for a in schema.args[1:] if not (isinstance(a, DTensorSpec) and a.has_partial)]
     linear = reduce_op in ("sum", "avg")
+    order = reduce_op in ("max", "min")
     if name in ("clone", "detach", "alias", "contiguous", "positive"):
-        return reduce_op
+        return [(reduce_op, kept)]
     if name == "neg":
-        return reduce_op if linear else _FLIP[reduce_op]
-    if name in ("add", "sub"):
-        alpha = schema.kwarg("alpha", 1)
-        if len(partial_args) == 2 and linear and first_is_partial:
-            return reduce_op
-        if len(partial_args) == 1 and first_is_partial and _replicated(others):
-            if reduce_op == "avg" or (not linear and (name == "add" or alpha == 1)):
-                return reduce_op
-        return None
-    if name in ("mul", "div") and len(partial_args) == 1 and (first_is_partial or name == "mul"):
-        factor = others[0] if others else schema.args[0]
-        if linear and _replicated([factor]):
-            return reduce_op
-        if not linear and isinstance(factor, Number) and not isinstance(factor, bool):
-            return reduce_op if factor >= 0 else _FLIP[reduce_op]
-    return None
+        return [(reduce_op if linear else _FLIP[reduce_op], kept)] if reduce_op != "product" else []
+    if name == "where":
+        return _where_rules(schema, reduce_op, everything, kept)
+    if name == "masked_fill" and first_is_partial and len(partial_args) == 1 and _replicated(others):
+        # where(mask, value, x): the value is counted on coordinate 0 only for sum and product.
+        inputs = list(everything if reduce_op in ("sum", "product") else kept)
+        if len(schema.args) > 1 and isinstance(schema.args[1], DTensorSpec):
+            inputs[1] = R  # the mask
+        return [(reduce_op, tuple(inputs))]
+    if name in ("add", "sub", "rsub"):
+        if reduce_op == "sum":
+            return [("sum", everything)]
+        if reduce_op == "avg":
+            return [("avg", kept)]
+        if order and len(partial_args) == 1 and first_is_partial and name != "rsub" and _replicated(others):
+            return [(reduce_op, kept)]
+        return []
+    if name in ("mul", "div"):
+        return _product_rules(schema, reduce_op, name, kept, everything, partial_args, first_is_partial, others)
+    if order and name in ("maximum", "minimum", "max", "min", "clamp", "clamp_min", "clamp_max"):
+        # maximum of Partial(max)s (minimum of Partial(min)s) is the max of the pairwise maxima;
+        # any monotone map of one Partial (clamping, max/min with a replicated bound) commutes.
+        if name.startswith("clamp"):
+            return [(reduce_op, kept)] if first_is_partial and len(partial_args) == 1 and _replicated(others) else []
+        same = name[:3] == reduce_op
+        if len(partial_args) == 1 or same:
+            return [(reduce_op, kept)]
+        return []
+    if reduce_op == "product":
+        if name == "abs":
+            return [("product", kept)]
+        if name == "pow" and schema.op is aten.pow.Tensor_Scalar and type(schema.arg(1, "exponent")) is int:
+            return [("product", kept)]
+    return []
 
 
 def _replicated(values: list[Any]) -> bool:
-    """Scalars, 0-dim tensors, or DTensors replicated on every axis."""
+    """Scalars, 0-dim tensors, None (an absent bound), or DTensors replicated on every axis."""
     return all(
-        isinstance(v, Number)
+        v is None
+        or isinstance(v, Number)
         or (isinstance(v, torch.Tensor) and v.ndim == 0)
         or (isinstance(v, DTensorSpec) and v.is_replicated)
         for v in values
     )
+
+
+def _product_rules(schema: OpSchema, reduce_op: str, name: str, kept: tuple, everything: tuple,
+                   partial_args: list, first_is_partial: bool, others: list) -> list[tuple[str, tuple]]:
+    """mul / div: linear in each factor, multiplicative in all of them."""
+    if name == "div" and schema.kwarg("rounding_mode") is not None:
+        return []
+    if reduce_op == "product":
+        return [("product", everything)]
+    if reduce_op in ("sum", "avg"):
+        if len(partial_args) == 1 and (first_is_partial or name == "mul"):
+            return [(reduce_op, kept)]
+        if len(partial_args) == 2 and len(schema.specs) == 2:
+            # Keep one factor's pending reduction, reduce the other (never both).
+            first = (kept[0], R)
+            return [(reduce_op, first)] + ([(reduce_op, (R, kept[1]))] if name == "mul" else [])
+        return []
+    if len(partial_args) == 1 and (first_is_partial or name == "mul"):
+        factor = others[0] if others else schema.args[0]
+        if isinstance(factor, Number) and not isinstance(factor, bool):
+            if name == "div" and factor == 0:
+                return []
+            return [(reduce_op if factor >= 0 else _FLIP[reduce_op], kept)]
+    return []
+
+
+def _where_rules(schema: OpSchema, reduce_op: str, everything: tuple, kept: tuple) -> list[tuple[str, tuple]]:
+    """``where(cond, a, b)`` picks values elementwise: a replicated condition keeps any pending
+    reduction of the picked values (for sum and product the other operand is partitioned)."""
+    cond = schema.arg(0, "condition")
+    if isinstance(cond, DTensorSpec) and cond.has_partial:
+        return []
+    inputs = everything if reduce_op in ("sum", "product") else kept
+    if isinstance(cond, DTensorSpec):
+        inputs = (R,) + inputs[1:]
+    return [(reduce_op, inputs)]
 
 
 _POINTWISE = list(aten_ops_tagged(torch.Tag.pointwise, without=(torch.Tag.nondeterministic_seeded,)))
@@ -113,9 +249,9 @@ def _in_place_twins(ops: list) -> list:
 
 _POINTWISE += _in_place_twins(_POINTWISE)
 _SAME_LAYOUT = [aten.clone.default, aten.detach.default, aten.alias.default, aten.contiguous.default,
-                aten.positive.default, aten.copy_.default, aten.lift_fresh.default,
+                aten.positive.default, aten.lift_fresh.default,
                 torch.ops.prims.where.default, torch.ops.prims.copy_to.default]  # prims reached by decompositions
-register_strategy(*_POINTWISE, *_SAME_LAYOUT, replace=True)(pointwise_axis_candidates)
+register_strategy(*_POINTWISE, *_SAME_LAYOUT, per_axis=False, replace=True)(pointwise_candidates)
 scalars_matter_by_sign_only(*_POINTWISE)
 
 

@@ -8,15 +8,17 @@ to wherever the op puts them in the output). Two further layouts need no gatheri
 * indices sharded along the result's index dims, data replicated: each rank looks up its own
   positions (``x[idx]`` with ``idx`` sharded, ``index_select`` / ``gather`` on a sharded index);
 * a pending reduction passes through an op that only moves values (a gather is linear and
-  order-preserving), and through writes when the written values carry the same reduction.
+  order-preserving), and through writes when the written values carry the same reduction;
+* ``gather`` along a dim the input shards, with an index of size 1 there: each rank picks the
+  positions it holds and writes 0 elsewhere, giving a Partial(sum) (``masked_gather``).
 
 Plain integer tensors given as indices are taken as replicated, like int arguments
 (``registry.allow_plain_indices``): ``x[torch.tensor([0, 2])]`` needs no wrapping. So are plain
 ``values`` of ``index_put``: autograd's backward of ``index_put`` writes plain zeros.
 
-``topk`` / ``sort`` need their dim whole; ``fill_`` / ``zero_`` keep the layout of the tensor
-they write, except that a Partial(sum) keeps its pending sum only through a fill with zero
-(any other value would be counted once per rank); ``item()`` needs the value replicated.
+``topk`` / ``sort`` need their dim whole; ``fill_`` / ``zero_`` and ``copy_`` keep the layout of
+the tensor they write (into a Partial(sum) the value goes to coordinate 0 and 0 elsewhere, or
+it would be counted once per rank); ``item()`` needs the value replicated.
 
 Boolean masks work for writes (``x[mask] = v``, ``index_put``) but not for reads
 (``x[mask]``): the result's shape depends on the mask's values, which the layout propagation
@@ -31,11 +33,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from shardwise.dispatch.ops._common import R, aten, broadcast_dim
-from shardwise.dispatch.ops.pointwise import pointwise_axis_candidates
-from shardwise.dispatch.registry import allow_plain_indices, register_strategy
+from shardwise.dispatch.ops._common import R, aten, bind_arguments, broadcast_dim, cached_choice, localize, wrap_local
+from shardwise.dispatch.ops.pointwise import pointwise_candidates
+from shardwise.dispatch.registry import allow_plain_indices, register_layout_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
-from shardwise.placement import Placement, Shard
+from shardwise.placement import Partial, Placement, Shard
 from shardwise.spec import DTensorSpec
 
 __all__ = ["index_layout"]
@@ -276,6 +278,45 @@ def gather_strategy(schema: OpSchema) -> list[AxisCandidate]:
     return candidates + [(R, R, R)]
 
 
+def _masked_gather_applies(schema: OpSchema) -> bool:
+    """``gather`` along a dim the input shards, with an index of size 1 there (one value picked
+    per row: the label lookup of a loss over a sharded class dim)."""
+    spec, index = schema.specs[0], schema.arg(2, "index")
+    if not isinstance(index, DTensorSpec) or spec.ndim == 0 or index.ndim != spec.ndim or index.has_partial:
+        return False
+    dim = _norm(schema.arg(1, "dim"), spec.ndim)
+    return index.shape[dim] == 1 and bool(spec.shard_axes(dim)) and not spec.has_partial and spec.dtype != torch.bool
+
+
+@register_layout_handler(aten.gather.default, applies=_masked_gather_applies)
+def masked_gather(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``gather`` without gathering the input: a rank owning positions [offset, offset+length)
+    of ``dim`` picks the indices in that range and writes 0 for the others, so the result is
+    Partial(sum) (each value comes from exactly one rank). The dims both tensors share keep
+    their sharding as in ``gather_strategy``; the cost model may still prefer another layout."""
+    x, dim, index = bind_arguments(op, args, kwargs)[:3]
+    spec, ispec = x._spec, index._spec
+    dim = _norm(dim, spec.ndim)
+    schema = OpSchema(op, (spec, dim, ispec), (), (spec, ispec))
+    axis = gather_strategy(schema)
+    plan = cached_choice((op, spec, ispec, dim), schema,
+                         lambda: expand([(Partial(), Shard(dim), R)] + axis, 1, spec.mesh.ndim))
+    block, idx = localize([x, index], plan)
+    target = spec.with_placements(plan.inputs[0])
+    if target.shard_axes(dim):
+        shape, offset = target.local_shape_and_offset()
+        shifted = idx - offset[dim]
+        outside = (shifted < 0) | (shifted >= shape[dim])
+        if shape[dim] == 0:
+            out = block.new_zeros(idx.shape)
+        else:
+            out = aten.gather.default(block, dim, shifted.masked_fill(outside, 0)).masked_fill_(outside, 0)
+    else:
+        out = aten.gather.default(block, dim, idx)
+    meta = torch.empty(ispec.shape, dtype=spec.dtype, device="meta")
+    return wrap_local(out, spec.mesh, plan.outputs[0], meta)
+
+
 _SCATTER_SRC = [aten.scatter.src, aten.scatter_.src, aten.scatter_add.default, aten.scatter_add_.default,
                 aten.scatter.reduce, aten.scatter_.reduce, aten.scatter_reduce.two, aten.scatter_reduce_.two]
 _SCATTER_VALUE = [aten.scatter.value, aten.scatter_.value, aten.scatter.value_reduce, aten.scatter_.value_reduce]
@@ -328,29 +369,78 @@ def sort_strategy(schema: OpSchema) -> list[AxisCandidate]:
     return _sorted_dim_candidates(spec, _norm(dim, spec.ndim), 2)
 
 
-# ---------------------------------------------------------------------- fills
-def _fill_keeps(p: Placement, value: Any) -> bool:
-    """Whether a Partial stays correct when every rank writes ``value`` (a number, or a spec)."""
-    if p.reduce_op != "sum":
-        return True  # the avg / max / min of equal values is that value
-    return isinstance(value, Number) and value == 0
+# ---------------------------------------------------------------------- fills and copies
+def _partition_rewrite(position: int, axes: Sequence[int] | None = None) -> Callable:
+    """On a rank whose coordinate is not 0 along an axis (of ``axes``, default all) where the
+    written tensor (the first output) is Partial(sum) or Partial(product), replace the
+    replicated value at ``position`` by the reduction's identity: the value is then counted
+    once, not once per rank."""
+
+    def rewrite(args: list, kwargs: dict, output_specs: tuple) -> tuple[list, dict]:
+        spec = output_specs[0]
+        for axis, p in enumerate(spec.placements):
+            if axes is not None and axis not in axes:
+                continue
+            if p.is_partial() and p.identity() is not None and spec.mesh.get_local_rank(axis) != 0:
+                args = list(args)
+                value = args[position]
+                args[position] = torch.full_like(value, p.identity()) if isinstance(value, torch.Tensor) else p.identity()
+                break
+        return args, kwargs
+
+    return rewrite
 
 
-@register_strategy(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
-def fill_strategy(schema: OpSchema) -> list[AxisCandidate]:
-    """In place: self keeps its layout. Filling a Partial(sum) with a nonzero value (or an
-    unknown tensor) would count it once per rank: no candidate keeps it, so the dispatcher
-    settles the pending sum first (the in-place rule of ``propagation``)."""
+@register_strategy(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, per_axis=False)
+def fill_strategy(schema: OpSchema) -> list[Candidate]:
+    """In place: self keeps its layout. Into a Partial(sum) or Partial(product) the value is
+    written on coordinate 0 and the identity elsewhere (a rewrite; a replicated DTensor value
+    is partitioned), so it is counted once; avg, max and min of equal values are that value."""
     spec = schema.specs[0]
     value = 0 if schema.op is aten.zero_.default else schema.arg(1, "value")
-    value_spec = (R,) if isinstance(value, DTensorSpec) else ()
-    candidates = [(Shard(d), Shard(d)) + value_spec for d in range(spec.ndim)]
-    for p in _partials(spec):
-        if _fill_keeps(p, value):
-            candidates.append((p, p) + value_spec)
-        if isinstance(value, DTensorSpec) and p in value.placements:
-            candidates.append((p, p, p))  # each rank writes its contribution
-    return candidates + [(R, R) + value_spec]
+    value_spec = isinstance(value, DTensorSpec)
+    axis: list[AxisCandidate] = [(Shard(d), Shard(d)) + ((R,) if value_spec else ()) for d in range(spec.ndim)]
+    axis += [(p, p) + ((p,) if value_spec else ()) for p in _partials(spec)]
+    axis.append((R, R) + ((R,) if value_spec else ()))
+    candidates = expand(axis, 1, schema.mesh.ndim)
+    if value_spec or schema.op is aten.zero_.default:
+        return candidates
+    return [replace(c, rewrite=_partition_rewrite(1)) for c in candidates]
+
+
+def _safe_cast(reduce_op: str, src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether casting each contribution before reducing gives the cast of the reduction."""
+    if src == dst or reduce_op in ("max", "min"):
+        return True
+    return (src.is_floating_point or src.is_complex) and (dst.is_floating_point or dst.is_complex)
+
+
+@register_strategy(aten.copy_.default, per_axis=False)
+def copy_strategy(schema: OpSchema) -> list[Candidate]:
+    """``self.copy_(src)``: self never changes its layout; src is brought to it.
+
+    Per mesh axis: a sharded self dim takes src sharded alike (replicated where src
+    broadcasts); a replicated self takes src replicated; a Partial self keeps src's own
+    contributions when they carry the same reduction (and the cast is exact), and otherwise
+    takes src replicated, written on coordinate 0 with the identity elsewhere for sum and
+    product (``_partition_rewrite``).
+    """
+    spec = schema.specs[0]
+    src = schema.arg(1, "src")
+    placements = spec.placements
+    if not isinstance(src, DTensorSpec):  # a plain 0-dim source: a replicated value
+        return [Candidate((placements,), (placements,), rewrite=_partition_rewrite(1))]
+    target, replicated = [], []
+    for axis, (p, q) in enumerate(zip(placements, src.placements)):
+        if p.is_shard():
+            target.append(broadcast_dim(src, tuple(spec.shape), p.dim))
+        elif p.is_partial() and q == p and _safe_cast(p.reduce_op, src.dtype, spec.dtype):
+            target.append(p)  # each rank copies its own contribution
+        else:
+            target.append(R)
+            replicated.append(axis)
+    rewrite = _partition_rewrite(1, tuple(replicated)) if replicated else None
+    return [Candidate((placements, tuple(target)), (placements,), rewrite=rewrite)]
 
 
 @register_strategy(aten.fill.Scalar, aten.fill.Tensor)
@@ -380,7 +470,7 @@ def equal_strategy(schema: OpSchema) -> list[AxisCandidate]:
 
 # ---------------------------------------------------------------------- masked fill
 # masked_fill.Scalar is tagged pointwise; the Tensor-value overloads are not.
-register_strategy(aten.masked_fill.Tensor, aten.masked_fill_.Tensor, replace=True)(pointwise_axis_candidates)
+register_strategy(aten.masked_fill.Tensor, aten.masked_fill_.Tensor, per_axis=False, replace=True)(pointwise_candidates)
 
 allow_plain_indices(aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default,
                     aten.index_add.default, aten.index_add_.default)
