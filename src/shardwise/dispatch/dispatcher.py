@@ -70,7 +70,8 @@ class implicit_replication:
     """Context manager: plain tensors mixed with DTensors count as replicated on the mesh.
 
     Without it, mixing is an error (a plain tensor has no layout; assuming one silently is how
-    results go wrong). 0-dim tensors are scalars and are always allowed. ``scope`` limits it
+    results go wrong). 0-dim and one-element tensors are scalars and are always allowed (as
+    replicated values), and so are autograd's zero gradients in backward. ``scope`` limits it
     (``loss_parallel`` uses one for plain labels); the setting is part of the dispatch cache
     key, so a decision made inside never leaks outside.
     """
@@ -239,17 +240,17 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
     if len(meshes) > 1:
         raise ValueError(f"{describe()}: {_mixed_meshes(dtensors, meshes)}")
     mesh = meshes[0]
-    plain = [(w, t) for w, t in _plain_tensors(args, kwargs, DTensor) if not registry.is_plain_index(func, w, t)]
-    implicit = _IMPLICIT[0]
-    if plain and not (implicit is True or (implicit and implicit.allows(func, [t for _, t in plain]))):
-        where, tensor = plain[0]
-        raise ValueError(
-            f"{describe()}: argument {where} is a plain tensor {_plain(tensor)} mixed with DTensors. "
-            "Make it a DTensor (distribute_tensor / DTensor.from_local), or use "
-            "`with shardwise.implicit_replication():` to treat plain tensors as replicated"
-        )
-    if plain:
+    query = _METADATA_QUERIES.get(func)
+    if query is not None:
+        return OutputPlan("custom", handler=lambda f, a, k: query(*a, **k))
+    plain = _plain_data(func, args, kwargs)
+    unplaced = [(w, t) for w, t in plain if t.numel() != 1]
+    if unplaced and not _allowed(func, unplaced):
+        return _StrictPlan(mesh)
+    if unplaced:
         return _ImplicitPlan(mesh)
+    if plain:  # one-element tensors only: they broadcast like tensors, so they take part as DTensors
+        return _ImplicitPlan(mesh, scalars_only=True)
     schema = OpSchema(func, _specs_of(args, DTensor), tuple((k, v) for k, v in zip(kwargs, _specs_of(kwargs.values(), DTensor))), tuple(dt._spec for dt in dtensors))
     meta_args, meta_kwargs = _to_meta(args, DTensor), dict(zip(kwargs, _to_meta(kwargs.values(), DTensor)))
     return propagate(func, schema, tuple(meta_args), meta_kwargs, describe)
@@ -272,11 +273,64 @@ def _mixed_meshes(dtensors: list, meshes: list) -> str:
             "`distribute_tensor(full, a.device_mesh, a.placements, src_data_rank=None)`")
 
 
-def _ImplicitPlan(mesh) -> OutputPlan:
-    """Re-dispatch with plain tensors wrapped as replicated DTensors."""
+# Queries that read only shapes: answered from global metadata, whatever mixes with DTensors.
+_METADATA_QUERIES = {
+    torch.ops.aten.is_same_size.default: lambda a, b: a.shape == b.shape,
+}
+
+
+def _plain_data(func, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    """Plain tensors of 1+ dims that are data (not an op's plain index argument).
+
+    0-dim ones are scalars and stay plain on the local blocks; one-element ones of 1+ dims are
+    replicated values, as torch takes them; any other needs a layout (an error unless
+    ``implicit_replication`` says otherwise)."""
+    return [(w, t) for w, t in _plain_tensors(args, kwargs, _DTensor) if not registry.is_plain_index(func, w, t)]
+
+
+def _allowed(func, plain: list) -> bool:
+    implicit = _IMPLICIT[0]
+    return implicit is True or bool(implicit and implicit.allows(func, [t for _, t in plain]))
+
+
+def _StrictPlan(mesh) -> OutputPlan:
+    """Plain tensors with no layout: an error, except autograd's zero gradients in backward.
+
+    Autograd builds those itself from global shapes (the gradient of an unused output of
+    ``split``, of ``select_scatter``'s source...): they are zero everywhere, the same on every
+    rank, so replicated by construction. The check runs per call (the plan is cached by
+    metadata, and the same call outside backward, or with other values, is a user's mistake).
+    """
+    implicit = _ImplicitPlan(mesh).handler
 
     def handler(func, args, kwargs):
-        wrap = lambda v: _as_replicate(v, mesh)  # noqa: E731
+        plain = [(w, t) for w, t in _plain_data(func, args, kwargs) if t.numel() != 1]
+        if torch._C._current_graph_task_id() != -1 and all(_zero_filled(t) for _, t in plain):
+            return implicit(func, args, kwargs)
+        where, tensor = plain[0]
+        raise ValueError(
+            f"{render_call(func, args, kwargs)}: argument {where} is a plain tensor {_plain(tensor)} mixed with "
+            "DTensors. Make it a DTensor (distribute_tensor / DTensor.from_local), or use "
+            "`with shardwise.implicit_replication():` to treat plain tensors as replicated"
+        )
+
+    return OutputPlan("custom", handler=handler)
+
+
+def _zero_filled(t: torch.Tensor) -> bool:
+    return t.is_meta or t.numel() == 0 or not bool(t.any())
+
+
+def _ImplicitPlan(mesh, scalars_only: bool = False) -> OutputPlan:
+    """Re-dispatch with plain tensors wrapped as replicated DTensors (``scalars_only``: just the
+    one-element data tensors, see ``_plain_data``)."""
+
+    def handler(func, args, kwargs):
+        if scalars_only:
+            chosen = {id(t) for _, t in _plain_data(func, args, kwargs) if t.numel() == 1}
+            wrap = lambda v: _as_replicate(v, mesh) if id(v) in chosen else v  # noqa: E731
+        else:
+            wrap = lambda v: _as_replicate(v, mesh)  # noqa: E731
         return func(*_map_plain(args, wrap), **dict(zip(kwargs, _map_plain(kwargs.values(), wrap))))
 
     return OutputPlan("custom", handler=handler)
