@@ -100,7 +100,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
            _key(kwargs.values(), dtensors, DTensor, coarse) + tuple(kwargs) if kwargs else (), _IMPLICIT[0])
     plan = _CACHE.get(key)
     if plan is None:
-        plan = _with_positions(_propagate(func, args, kwargs, dtensors), args, kwargs, len(dtensors))
+        plan = _with_positions(_propagate(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
         _CACHE[key] = plan
         if len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
@@ -117,10 +117,13 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         return plan.handler(*args, **kwargs)
 
 
-def _with_positions(plan: OutputPlan, args: tuple, kwargs: dict, count: int) -> OutputPlan:
-    """Record where the DTensors sit when they are all top-level positional arguments."""
+def _with_positions(plan: OutputPlan, func, args: tuple, kwargs: dict, count: int) -> OutputPlan:
+    """Record where the DTensors sit when they are all top-level positional arguments (and mark
+    the plans of view ops, see ``_repack_view``)."""
     if plan.action != "run":
         return plan
+    if plan.returns in ("wrap", "copied_view") and _returns_view(func, args):
+        plan = dataclasses.replace(plan, returns="view" if plan.returns == "wrap" else "copied_view_of")
     DTensor = _DTensor
     positions = tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
     if len(positions) != count:
@@ -186,11 +189,32 @@ def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> A
     returns = plan.returns
     if returns == "wrap":
         return _repack(out, plan.output_specs)
+    if returns == "view":
+        return _repack_view(out, plan.output_specs, args[0])
+    if returns == "copied_view_of":
+        return _mark_copied(_repack_view(out, plan.output_specs, args[0]), func)
     if returns == "copied_view":
         return _mark_copied(_repack(out, plan.output_specs), func)
     if returns == "self":
         return args[0]
     return kwargs["out"] if returns == "out" else None
+
+
+def _returns_view(func, args: tuple) -> bool:
+    """The op's output aliases its first argument, a DTensor (``t``, ``view``, ``select``...)."""
+    returns = getattr(func, "_schema", None) and func._schema.returns
+    alias = returns[0].alias_info if returns else None
+    return alias is not None and not alias.is_write and bool(args) and isinstance(args[0], _DTensor)
+
+
+def _repack_view(out: Any, specs: tuple, base: Any) -> Any:
+    """``_repack`` for a view op. Under ``torch.inference_mode()`` a view of a normal tensor is a
+    normal tensor (torch then shares the base's version counter with it, which an inference
+    tensor has not): the wrapper is made outside inference mode in that case."""
+    if torch.is_inference_mode_enabled() and not base.is_inference():
+        with torch.inference_mode(False):
+            return _repack(out, specs)
+    return _repack(out, specs)
 
 
 def _mark_copied(out: Any, func) -> Any:
@@ -243,6 +267,8 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
     query = _METADATA_QUERIES.get(func)
     if query is not None:
         return OutputPlan("custom", handler=lambda f, a, k: query(*a, **k))
+    if _composite(func) and registry.lookup(func) is None:
+        return OutputPlan("custom", handler=_decompose)
     plain = _plain_data(func, args, kwargs)
     unplaced = [(w, t) for w, t in plain if t.numel() != 1]
     if unplaced and not _allowed(func, unplaced):
@@ -277,6 +303,19 @@ def _mixed_meshes(dtensors: list, meshes: list) -> str:
 _METADATA_QUERIES = {
     torch.ops.aten.is_same_size.default: lambda a, b: a.shape == b.shape,
 }
+
+
+def _composite(func) -> bool:
+    """Ops made of other ops (``linear``, ``matmul``, ``layer_norm``...). Autograd runs their
+    parts and never shows them to a tensor subclass; under ``torch.inference_mode()`` they come
+    whole."""
+    return isinstance(func, torch._ops.OpOverload) and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "CompositeImplicitAutograd")
+
+
+def _decompose(func, args: tuple, kwargs: dict) -> Any:
+    """Run a composite op as its parts, each dispatched on DTensors, as outside inference mode."""
+    return func.decompose(*args, **kwargs)
 
 
 def _plain_data(func, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
