@@ -210,11 +210,18 @@ def _returns_view(func, args: tuple) -> bool:
 def _repack_view(out: Any, specs: tuple, base: Any) -> Any:
     """``_repack`` for a view op. Under ``torch.inference_mode()`` a view of a normal tensor is a
     normal tensor (torch then shares the base's version counter with it, which an inference
-    tensor has not): the wrapper is made outside inference mode in that case."""
+    tensor has not): the wrapper is made outside inference mode in that case. A lazily
+    conjugated or negated block (``_conj``, ``_neg_view`` and views of them) marks its wrapper
+    alike, so torch resolves the bit before ops that need values (``view_as_real``, ``mul``)."""
     if torch.is_inference_mode_enabled() and not base.is_inference():
         with torch.inference_mode(False):
-            return _repack(out, specs)
-    return _repack(out, specs)
+            wrapped = _repack(out, specs)
+    else:
+        wrapped = _repack(out, specs)
+    if isinstance(out, torch.Tensor) and (out.is_conj() or out.is_neg()):
+        torch._C._set_conj(wrapped, out.is_conj())
+        torch._C._set_neg(wrapped, out.is_neg())
+    return wrapped
 
 
 def _mark_copied(out: Any, func) -> Any:
