@@ -123,7 +123,8 @@ def _with_positions(plan: OutputPlan, func, args: tuple, kwargs: dict, count: in
     if plan.action != "run":
         return plan
     if plan.returns in ("wrap", "copied_view") and _returns_view(func, args):
-        plan = dataclasses.replace(plan, returns="view" if plan.returns == "wrap" else "copied_view_of")
+        view = "view_bits" if _may_conjugate(func, args[0], plan) else "view"
+        plan = dataclasses.replace(plan, returns=view if plan.returns == "wrap" else "copied_view_of")
     DTensor = _DTensor
     positions = tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
     if len(positions) != count:
@@ -191,8 +192,10 @@ def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> A
         return _repack(out, plan.output_specs)
     if returns == "view":
         return _repack_view(out, plan.output_specs, args[0])
+    if returns == "view_bits":
+        return _with_bits(_repack_view(out, plan.output_specs, args[0]), out)
     if returns == "copied_view_of":
-        return _mark_copied(_repack_view(out, plan.output_specs, args[0]), func)
+        return _mark_copied(_with_bits(_repack_view(out, plan.output_specs, args[0]), out), func)
     if returns == "copied_view":
         return _mark_copied(_repack(out, plan.output_specs), func)
     if returns == "self":
@@ -207,17 +210,26 @@ def _returns_view(func, args: tuple) -> bool:
     return alias is not None and not alias.is_write and bool(args) and isinstance(args[0], _DTensor)
 
 
+def _may_conjugate(func, base: Any, plan: OutputPlan) -> bool:
+    """A view whose block may carry a lazy conjugate / negative bit: of or into complex numbers,
+    or the negative view itself (see ``_with_bits``)."""
+    complex_out = any(s is not None and s.tensor_meta.dtype.is_complex for s in plan.output_specs)
+    return base.dtype.is_complex or complex_out or func is torch.ops.aten._neg_view.default
+
+
 def _repack_view(out: Any, specs: tuple, base: Any) -> Any:
     """``_repack`` for a view op. Under ``torch.inference_mode()`` a view of a normal tensor is a
     normal tensor (torch then shares the base's version counter with it, which an inference
-    tensor has not): the wrapper is made outside inference mode in that case. A lazily
-    conjugated or negated block (``_conj``, ``_neg_view`` and views of them) marks its wrapper
-    alike, so torch resolves the bit before ops that need values (``view_as_real``, ``mul``)."""
+    tensor has not): the wrapper is made outside inference mode in that case."""
     if torch.is_inference_mode_enabled() and not base.is_inference():
         with torch.inference_mode(False):
-            wrapped = _repack(out, specs)
-    else:
-        wrapped = _repack(out, specs)
+            return _repack(out, specs)
+    return _repack(out, specs)
+
+
+def _with_bits(wrapped: Any, out: Any) -> Any:
+    """A lazily conjugated or negated block (``_conj``, ``_neg_view`` and views of them) marks its
+    wrapper alike, so torch resolves the bit before ops that read values (``view_as_real``)."""
     if isinstance(out, torch.Tensor) and (out.is_conj() or out.is_neg()):
         torch._C._set_conj(wrapped, out.is_conj())
         torch._C._set_neg(wrapped, out.is_neg())
