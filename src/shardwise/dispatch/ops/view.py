@@ -13,7 +13,9 @@ input group is a block of the output group exactly when both are cut only on the
 and cover the same flattened range on every rank: this is checked for every coordinate of the
 mesh (it covers uneven shards and several mesh axes cutting one dim), so ``view(b, s, -1, d)``
 of a column-sharded projection keeps the heads sharded without any communication whenever the
-blocks line up, and anything else is gathered first.
+blocks line up, and anything else is gathered first. A Shard on a size-1 dim (one rank holds the
+dim, the others hold nothing: batch 1 under data parallelism) moves to a size-1 output dim, and
+any Shard of an empty tensor stays, both without communication.
 
 Ops whose non-tensor arguments are global sizes (``view``, ``expand``, ``*_backward``,
 ``new_*``) get them rewritten to the local block's shape (``Candidate.rewrite``).
