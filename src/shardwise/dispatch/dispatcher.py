@@ -71,7 +71,8 @@ class implicit_replication:
     """Context manager: plain tensors mixed with DTensors count as replicated on the mesh.
 
     Without it, mixing is an error (a plain tensor has no layout; assuming one silently is how
-    results go wrong). 0-dim tensors are scalars and are always allowed. ``scope`` limits it
+    results go wrong). 0-dim and one-element tensors are scalars and are always allowed (as
+    replicated values), and so are autograd's zero gradients in backward. ``scope`` limits it
     (``loss_parallel`` uses one for plain labels); the setting is part of the dispatch cache
     key, so a decision made inside never leaks outside.
     """
@@ -100,7 +101,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
            _key(kwargs.values(), dtensors, DTensor, coarse) + tuple(kwargs) if kwargs else (), _IMPLICIT[0])
     plan = _CACHE.get(key)
     if plan is None:
-        plan = _with_positions(_propagate(func, args, kwargs, dtensors), args, kwargs, len(dtensors))
+        plan = _with_positions(_propagate(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
         _CACHE[key] = plan
         if len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
@@ -117,10 +118,14 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         return plan.handler(*args, **kwargs)
 
 
-def _with_positions(plan: OutputPlan, args: tuple, kwargs: dict, count: int) -> OutputPlan:
-    """Record where the DTensors sit when they are all top-level positional arguments."""
+def _with_positions(plan: OutputPlan, func, args: tuple, kwargs: dict, count: int) -> OutputPlan:
+    """Record where the DTensors sit when they are all top-level positional arguments (and mark
+    the plans of view ops, see ``_repack_view``)."""
     if plan.action != "run":
         return plan
+    if plan.returns in ("wrap", "copied_view") and _returns_view(func, args):
+        view = "view_bits" if _may_conjugate(func, args[0], plan) else "view"
+        plan = dataclasses.replace(plan, returns=view if plan.returns == "wrap" else "copied_view_of")
     DTensor = _DTensor
     positions = tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
     if len(positions) != count:
@@ -186,11 +191,50 @@ def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> A
     returns = plan.returns
     if returns == "wrap":
         return _repack(out, plan.output_specs)
+    if returns == "view":
+        return _repack_view(out, plan.output_specs, args[0])
+    if returns == "view_bits":
+        return _with_bits(_repack_view(out, plan.output_specs, args[0]), out)
+    if returns == "copied_view_of":
+        return _mark_copied(_with_bits(_repack_view(out, plan.output_specs, args[0]), out), func)
     if returns == "copied_view":
         return _mark_copied(_repack(out, plan.output_specs), func)
     if returns == "self":
         return args[0]
     return kwargs["out"] if returns == "out" else None
+
+
+def _returns_view(func, args: tuple) -> bool:
+    """The op's output aliases its first argument, a DTensor (``t``, ``view``, ``select``...)."""
+    returns = getattr(func, "_schema", None) and func._schema.returns
+    alias = returns[0].alias_info if returns else None
+    return alias is not None and not alias.is_write and bool(args) and isinstance(args[0], _DTensor)
+
+
+def _may_conjugate(func, base: Any, plan: OutputPlan) -> bool:
+    """A view whose block may carry a lazy conjugate / negative bit: of or into complex numbers,
+    or the negative view itself (see ``_with_bits``)."""
+    complex_out = any(s is not None and s.tensor_meta.dtype.is_complex for s in plan.output_specs)
+    return base.dtype.is_complex or complex_out or func is torch.ops.aten._neg_view.default
+
+
+def _repack_view(out: Any, specs: tuple, base: Any) -> Any:
+    """``_repack`` for a view op. Under ``torch.inference_mode()`` a view of a normal tensor is a
+    normal tensor (torch then shares the base's version counter with it, which an inference
+    tensor has not): the wrapper is made outside inference mode in that case."""
+    if torch.is_inference_mode_enabled() and not base.is_inference():
+        with torch.inference_mode(False):
+            return _repack(out, specs)
+    return _repack(out, specs)
+
+
+def _with_bits(wrapped: Any, out: Any) -> Any:
+    """A lazily conjugated or negated block (``_conj``, ``_neg_view`` and views of them) marks its
+    wrapper alike, so torch resolves the bit before ops that read values (``view_as_real``)."""
+    if isinstance(out, torch.Tensor) and (out.is_conj() or out.is_neg()):
+        torch._C._set_conj(wrapped, out.is_conj())
+        torch._C._set_neg(wrapped, out.is_neg())
+    return wrapped
 
 
 def _mark_copied(out: Any, func) -> Any:
@@ -242,17 +286,19 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
     if len(meshes) > 1:
         raise ValueError(f"{describe()}: {_mixed_meshes(dtensors, meshes)}")
     mesh = meshes[0]
-    plain = [(w, t) for w, t in _plain_tensors(args, kwargs, DTensor) if not registry.is_plain_index(func, w, t)]
-    implicit = _IMPLICIT[0]
-    if plain and not (implicit is True or (implicit and implicit.allows(func, [t for _, t in plain]))):
-        where, tensor = plain[0]
-        raise ValueError(
-            f"{describe()}: argument {where} is a plain tensor {_plain(tensor)} mixed with DTensors. "
-            "Make it a DTensor (distribute_tensor / DTensor.from_local), or use "
-            "`with shardwise.implicit_replication():` to treat plain tensors as replicated"
-        )
-    if plain:
+    query = _METADATA_QUERIES.get(func)
+    if query is not None:
+        return OutputPlan("custom", handler=lambda f, a, k: query(*a, **k))
+    if _composite(func) and registry.lookup(func) is None:
+        return OutputPlan("custom", handler=_decompose)
+    plain = _plain_data(func, args, kwargs)
+    unplaced = [(w, t) for w, t in plain if t.numel() != 1]
+    if unplaced and not _allowed(func, unplaced):
+        return _StrictPlan(mesh)
+    if unplaced:
         return _ImplicitPlan(mesh)
+    if plain:  # one-element tensors only: they broadcast like tensors, so they take part as DTensors
+        return _ImplicitPlan(mesh, scalars_only=True)
     schema = OpSchema(func, _specs_of(args, DTensor), tuple((k, v) for k, v in zip(kwargs, _specs_of(kwargs.values(), DTensor))), tuple(dt._spec for dt in dtensors))
     meta_args, meta_kwargs = _to_meta(args, DTensor), dict(zip(kwargs, _to_meta(kwargs.values(), DTensor)))
     plan = propagate(func, schema, tuple(meta_args), meta_kwargs, describe)
@@ -324,11 +370,77 @@ def _mixed_meshes(dtensors: list, meshes: list) -> str:
             "`distribute_tensor(full, a.device_mesh, a.placements, src_data_rank=None)`")
 
 
-def _ImplicitPlan(mesh) -> OutputPlan:
-    """Re-dispatch with plain tensors wrapped as replicated DTensors."""
+# Queries that read only shapes: answered from global metadata, whatever mixes with DTensors.
+_METADATA_QUERIES = {
+    torch.ops.aten.is_same_size.default: lambda a, b: a.shape == b.shape,
+}
+
+
+def _composite(func) -> bool:
+    """Ops made of other ops (``linear``, ``matmul``, ``layer_norm``...). Autograd runs their
+    parts and never shows them to a tensor subclass; under ``torch.inference_mode()`` they come
+    whole."""
+    return isinstance(func, torch._ops.OpOverload) and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "CompositeImplicitAutograd")
+
+
+def _decompose(func, args: tuple, kwargs: dict) -> Any:
+    """Run a composite op as its parts, each dispatched on DTensors, as outside inference mode."""
+    return func.decompose(*args, **kwargs)
+
+
+def _plain_data(func, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    """Plain tensors of 1+ dims that are data (not an op's plain index argument).
+
+    0-dim ones are scalars and stay plain on the local blocks; one-element ones of 1+ dims are
+    replicated values, as torch takes them; any other needs a layout (an error unless
+    ``implicit_replication`` says otherwise)."""
+    return [(w, t) for w, t in _plain_tensors(args, kwargs, _DTensor) if not registry.is_plain_index(func, w, t)]
+
+
+def _allowed(func, plain: list) -> bool:
+    implicit = _IMPLICIT[0]
+    return implicit is True or bool(implicit and implicit.allows(func, [t for _, t in plain]))
+
+
+def _StrictPlan(mesh) -> OutputPlan:
+    """Plain tensors with no layout: an error, except autograd's zero gradients in backward.
+
+    Autograd builds those itself from global shapes (the gradient of an unused output of
+    ``split``, of ``select_scatter``'s source...): they are zero everywhere, the same on every
+    rank, so replicated by construction. The check runs per call (the plan is cached by
+    metadata, and the same call outside backward, or with other values, is a user's mistake).
+    """
+    implicit = _ImplicitPlan(mesh).handler
 
     def handler(func, args, kwargs):
-        wrap = lambda v: _as_replicate(v, mesh)  # noqa: E731
+        plain = [(w, t) for w, t in _plain_data(func, args, kwargs) if t.numel() != 1]
+        if torch._C._current_graph_task_id() != -1 and all(_zero_filled(t) for _, t in plain):
+            return implicit(func, args, kwargs)
+        where, tensor = plain[0]
+        raise ValueError(
+            f"{render_call(func, args, kwargs)}: argument {where} is a plain tensor {_plain(tensor)} mixed with "
+            "DTensors. Make it a DTensor (distribute_tensor / DTensor.from_local), or use "
+            "`with shardwise.implicit_replication():` to treat plain tensors as replicated"
+        )
+
+    return OutputPlan("custom", handler=handler)
+
+
+def _zero_filled(t: torch.Tensor) -> bool:
+    return t.is_meta or t.numel() == 0 or not bool(t.any())
+
+
+def _ImplicitPlan(mesh, scalars_only: bool = False) -> OutputPlan:
+    """Re-dispatch with plain tensors wrapped as replicated DTensors (``scalars_only``: just the
+    one-element data tensors, see ``_plain_data``)."""
+
+    def handler(func, args, kwargs):
+        if scalars_only:
+            chosen = {id(t) for _, t in _plain_data(func, args, kwargs) if t.numel() == 1}
+            wrap = lambda v: _as_replicate(v, mesh) if id(v) in chosen else v  # noqa: E731
+        else:
+            wrap = lambda v: _as_replicate(v, mesh)  # noqa: E731
         return func(*_map_plain(args, wrap), **dict(zip(kwargs, _map_plain(kwargs.values(), wrap))))
 
     return OutputPlan("custom", handler=handler)

@@ -13,7 +13,9 @@ input group is a block of the output group exactly when both are cut only on the
 and cover the same flattened range on every rank: this is checked for every coordinate of the
 mesh (it covers uneven shards and several mesh axes cutting one dim), so ``view(b, s, -1, d)``
 of a column-sharded projection keeps the heads sharded without any communication whenever the
-blocks line up, and anything else is gathered first.
+blocks line up, and anything else is gathered first. A Shard on a size-1 dim (one rank holds the
+dim, the others hold nothing: batch 1 under data parallelism) moves to a size-1 output dim, and
+any Shard of an empty tensor stays, both without communication.
 
 Ops whose non-tensor arguments are global sizes (``view``, ``expand``, ``*_backward``,
 ``new_*``) get them rewritten to the local block's shape (``Candidate.rewrite``).
@@ -119,22 +121,32 @@ def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[tuple[int,
         i, j = i + 1, j + 1
 
 
-def _cuts_only_leading(placements: Sequence[Placement], groups, side: int) -> bool:
-    """Every sharded dim is the leading dim of its group (on the input or output ``side``)."""
+def _cuts_only_leading(placements: Sequence[Placement], groups, side: int, shape: Sequence[int]) -> bool:
+    """Every sharded dim is the leading dim of its group (on the input or output ``side``), or a
+    size-1 dim (which only decides whether a rank's block is empty)."""
     leading = {g[side][0] for g in groups}
-    return all(not p.is_shard() or p.dim in leading for p in placements)
+    return all(not p.is_shard() or p.dim in leading or shape[p.dim] == 1 for p in placements)
 
 
 def _blocks_line_up(
     in_shape: Sequence[int], out_shape: Sequence[int], mesh_shape: Sequence[int],
     in_placements: Sequence[Placement], out_placements: Sequence[Placement], groups,
 ) -> bool:
-    """On every rank, each group's input block and output block cover the same flattened range."""
-    if not (_cuts_only_leading(in_placements, groups, 0) and _cuts_only_leading(out_placements, groups, 1)):
+    """On every rank, the input and output blocks are both empty, or each group's input block and
+    output block cover the same flattened range. An empty tensor's blocks are all empty."""
+    if math.prod(in_shape) == 0:
+        return True
+    if not (_cuts_only_leading(in_placements, groups, 0, in_shape)
+            and _cuts_only_leading(out_placements, groups, 1, out_shape)):
         return False
     for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
         in_len, in_off = local_shape_and_offset(in_shape, mesh_shape, coordinate, in_placements)
         out_len, out_off = local_shape_and_offset(out_shape, mesh_shape, coordinate, out_placements)
+        empty = 0 in in_len
+        if empty != (0 in out_len):
+            return False
+        if empty:
+            continue
         for ins, outs in groups:
             a = _flat_range(in_shape, in_len, in_off, ins)
             b = _flat_range(out_shape, out_len, out_off, outs)
@@ -150,26 +162,47 @@ def _flat_range(shape, lengths, offsets, dims) -> tuple[int, int]:
     return (offsets[dims[0]] * inner, count) if count else (0, 0)
 
 
-def _axis_options(p: Placement, leading: dict[int, int]) -> list[tuple[Placement, Placement]]:
-    """(input, output) placements worth trying on one mesh axis now laid out by ``p``."""
+def _kept_dims(in_shape: Sequence[int], out_shape: Sequence[int], groups) -> dict[int, list[int]]:
+    """For each input dim a Shard may stay on through the reshape, the output dims it may go to,
+    best first: a group's leading dim to the group's leading output dim; a size-1 dim (an uneven
+    shard: one rank holds it, the others hold nothing) to a size-1 output dim, the one with the
+    same elements after it first; in an empty tensor (every block empty) any dim to any dim,
+    one of the same size first."""
+    if math.prod(in_shape) == 0:
+        return {i: sorted(range(len(out_shape)), key=lambda o: (out_shape[o] != in_shape[i], _from_end(in_shape, i) != _from_end(out_shape, o), abs(i - o)))
+                for i in range(len(in_shape))}
+    kept = {ins[0]: [outs[0]] for ins, outs in groups}
+    singles = [o for o, n in enumerate(out_shape) if n == 1]
+    for i, n in enumerate(in_shape):
+        if n == 1 and singles:
+            after = math.prod(in_shape[i + 1:])
+            kept[i] = sorted(singles, key=lambda o: (math.prod(out_shape[o + 1:]) != after, _from_end(in_shape, i) != _from_end(out_shape, o), abs(i - o)))
+    return kept
+
+
+def _from_end(shape: Sequence[int], dim: int) -> int:
+    return len(shape) - dim
+
+
+def _axis_options(p: Placement, kept: dict[int, list[int]], groups) -> list[tuple[Placement, Placement]]:
+    """(input, output) placements worth trying on one mesh axis now laid out by ``p``: keep its
+    shard, move it to another group's leading dim (never onto a size-1 dim: one rank would hold
+    everything), or replicate."""
     if p.is_partial():
         return [(p, p), (R, R)]
     if not p.is_shard():
         return [(R, R)]
-    first = [(Shard(p.dim), Shard(leading[p.dim]))] if p.dim in leading else []
-    moves = [(Shard(i), Shard(o)) for i, o in leading.items() if i != p.dim]
+    first = [(Shard(p.dim), Shard(o)) for o in kept.get(p.dim, ())]
+    moves = [(Shard(ins[0]), Shard(outs[0])) for ins, outs in groups if ins[0] != p.dim]
     return first + moves + [(R, R)]
 
 
 def view_candidates(spec: DTensorSpec, out_shape: Sequence[int], rewrite: Callable | None) -> list[Candidate]:
     """Every layout of a reshape of ``spec`` to ``out_shape`` whose blocks line up (see module doc)."""
     in_shape, mesh_shape = tuple(spec.shape), tuple(spec.mesh.shape)
-    if math.prod(in_shape) == 0:
-        groups: list = []
-    else:
-        groups = view_groups(in_shape, out_shape)
-    leading = {ins[0]: outs[0] for ins, outs in groups}
-    options = [_axis_options(p, leading) for p in spec.placements]
+    groups = [] if math.prod(in_shape) == 0 else view_groups(in_shape, out_shape)
+    kept = _kept_dims(in_shape, tuple(out_shape), groups)
+    options = [_axis_options(p, kept, groups) for p in spec.placements]
     candidates = []
     for combo in itertools.product(*options):
         ins, outs = tuple(c[0] for c in combo), tuple(c[1] for c in combo)
