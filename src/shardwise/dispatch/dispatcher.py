@@ -241,7 +241,8 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
     mesh = meshes[0]
     plain = [(w, t) for w, t in _plain_tensors(args, kwargs, DTensor) if not registry.is_plain_index(func, w, t)]
     implicit = _IMPLICIT[0]
-    if plain and not (implicit is True or (implicit and implicit.allows(func, [t for _, t in plain]))):
+    scalars = all(_broadcast_scalar(t) for _, t in plain)
+    if plain and not scalars and not (implicit is True or (implicit and implicit.allows(func, [t for _, t in plain]))):
         where, tensor = plain[0]
         raise ValueError(
             f"{describe()}: argument {where} is a plain tensor {_plain(tensor)} mixed with DTensors. "
@@ -253,6 +254,13 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
     schema = OpSchema(func, _specs_of(args, DTensor), tuple((k, v) for k, v in zip(kwargs, _specs_of(kwargs.values(), DTensor))), tuple(dt._spec for dt in dtensors))
     meta_args, meta_kwargs = _to_meta(args, DTensor), dict(zip(kwargs, _to_meta(kwargs.values(), DTensor)))
     return propagate(func, schema, tuple(meta_args), meta_kwargs, describe)
+
+
+def _broadcast_scalar(t: torch.Tensor) -> bool:
+    """A scalar expanded to a shape (every stride 0): one value, replicated like a 0-dim tensor.
+
+    Composite ops build these (``quantile``'s ``q`` broadcast against its DTensor input)."""
+    return t.numel() > 0 and all(s == 0 for s in t.stride())
 
 
 def _mixed_meshes(dtensors: list, meshes: list) -> str:

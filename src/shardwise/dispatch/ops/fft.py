@@ -1,0 +1,50 @@
+"""FFTs: ``torch.fft.*`` reach shardwise as ``_fft_r2c``, ``_fft_c2r`` and ``_fft_c2c``.
+
+A transform mixes every element along the dims it transforms, and none across the others. So
+the transformed dims must be whole, and every other dim keeps its sharding: each rank
+transforms its own rows, with no communication (``fft(x, dim=-1)`` of a tensor sharded on
+dim 0). A transform over a sharded dim gathers that dim first (a distributed FFT, with its
+all-to-all transposes, would pay off only for very large transforms).
+
+Complex results are usually read through ``view_as_real`` (``abs``, ``real`` and autograd do):
+it appends a dim of 2 and keeps every other dim's layout; ``view_as_complex`` needs that last
+dim whole.
+
+``fftshift`` / ``ifftshift`` are ``roll`` (see ``ops/rearrange.py``), the frequency helpers
+(``fftfreq``) are factories, and the backward of each transform is another transform.
+"""
+
+from __future__ import annotations
+
+from shardwise.dispatch.ops._common import R, aten
+from shardwise.dispatch.ops.core_dims import aligned_axis_candidates, without_empty_blocks
+from shardwise.dispatch.registry import register_strategy
+from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
+from shardwise.placement import Shard
+
+
+@register_strategy(aten._fft_r2c.default, aten._fft_c2r.default, aten._fft_c2c.default, per_axis=False)
+def fft_strategy(schema: OpSchema) -> list[Candidate]:
+    """Transformed dims whole; the others sharded alike on input and output, as long as no
+    rank's block is empty (the FFT backend rejects empty inputs: that rank would raise alone)."""
+    axis = aligned_axis_candidates(schema, list(schema.arg(1, "dim")))
+    return without_empty_blocks(schema, expand(axis, 1, schema.mesh.ndim), allowed=set())
+
+
+@register_strategy(aten.view_as_real.default)
+def view_as_real_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """(*) complex -> (*, 2) real: every dim keeps its layout; a pending sum passes (the real
+    and imaginary parts of a sum are the sums of the parts)."""
+    spec = schema.specs[0]
+    candidates: list[AxisCandidate] = [(Shard(d), Shard(d)) for d in range(spec.ndim) if spec.shape[d] > 1]
+    candidates += [(p, p) for p in dict.fromkeys(spec.placements) if p.is_partial() and p.reduce_op in ("sum", "avg")]
+    return candidates + [(R, R)]
+
+
+@register_strategy(aten.view_as_complex.default)
+def view_as_complex_strategy(schema: OpSchema) -> list[AxisCandidate]:
+    """(*, 2) real -> (*) complex: the pair dim whole, the others keep their layout."""
+    spec = schema.specs[0]
+    candidates: list[AxisCandidate] = [(Shard(d), Shard(d)) for d in range(spec.ndim - 1) if spec.shape[d] > 1]
+    candidates += [(p, p) for p in dict.fromkeys(spec.placements) if p.is_partial() and p.reduce_op in ("sum", "avg")]
+    return candidates + [(R, R)]
