@@ -1,4 +1,4 @@
-"""Ops that put values into bins: ``histc``, ``histogram``, ``bucketize``, ``searchsorted``.
+"""Ops that put values into bins: ``histc``, ``bucketize``, ``searchsorted``.
 
 Counting is a sum over the input: with the bin edges fixed in advance (an explicit range, or
 edges given as a tensor), each rank counts its own block and the histogram is
@@ -9,6 +9,8 @@ divides by the global total.
 ``bucketize`` / ``searchsorted`` look each value up in a replicated sorted sequence, so the
 values keep their sharding (a batched ``searchsorted`` also keeps its leading dims sharded
 alike on the sequences and the values).
+
+``histogram`` / ``histogramdd`` have no meta kernel: they gather and run (``data_dependent.py``).
 """
 
 from __future__ import annotations
@@ -23,38 +25,15 @@ from shardwise.spec import DTensorSpec
 _SUM = Partial("sum")
 
 
-def _count_candidates(schema: OpSchema, n_out: int, fixed_edges: bool) -> list[AxisCandidate]:
-    """(hist[, edges]; self, weight / bins...): the input and its weights sharded alike."""
-    spec = schema.specs[0]
-    names = spec_arguments(schema)
-    outs = (_SUM,) + (R,) * (n_out - 1)
-    candidates: list[AxisCandidate] = []
-    if fixed_edges:
-        for d in range(spec.ndim):
-            if spec.shape[d] > 1:
-                ins = tuple(Shard(d) if name in ("self", "weight") else R for name in names)
-                candidates.append(outs + ins)
-    return candidates + [(R,) * (n_out + len(names))]
-
-
 @register_strategy(aten.histc.default)
 def histc_strategy(schema: OpSchema) -> list[AxisCandidate]:
-    """Local counts summed when the range is explicit (``min != max``)."""
+    """Local counts summed when the range is explicit (``min != max``); else the whole input."""
+    spec = schema.specs[0]
     low, high = schema.arg(2, "min", 0), schema.arg(3, "max", 0)
-    return _count_candidates(schema, 1, fixed_edges=low != high)
-
-
-@register_strategy(aten.histogram.bin_ct)
-def histogram_count_strategy(schema: OpSchema) -> list[AxisCandidate]:
-    """(hist, bin_edges): local counts summed when a range is given and no density asked for."""
-    fixed = schema.kwarg("range") is not None and not schema.kwarg("density", False)
-    return _count_candidates(schema, 2, fixed_edges=fixed)
-
-
-@register_strategy(aten.histogram.bins_tensor)
-def histogram_edges_strategy(schema: OpSchema) -> list[AxisCandidate]:
-    """(hist, bin_edges) with the edges given (replicated): local counts summed unless density."""
-    return _count_candidates(schema, 2, fixed_edges=not schema.kwarg("density", False))
+    candidates: list[AxisCandidate] = []
+    if low != high:
+        candidates += [(_SUM, Shard(d)) for d in range(spec.ndim) if spec.shape[d] > 1]
+    return candidates + [(R, R)]
 
 
 @register_strategy(aten.bucketize.Tensor, aten.bucketize.Scalar)

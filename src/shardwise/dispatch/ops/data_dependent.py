@@ -1,6 +1,6 @@
 """Ops whose output shape depends on the input values: ``nonzero``, ``masked_select``,
 ``unique``, ``bincount``, ``repeat_interleave`` with a tensor of repeats, and ops without a
-meta kernel (``linalg.lstsq``).
+meta kernel (``linalg.lstsq``, ``geqrf``, ``histogram``, ``histogramdd``).
 
 The layout propagation runs ops on meta tensors of the global shapes, which cannot tell how
 many elements such an op returns. These ops therefore gather their inputs (every DTensor input
@@ -21,8 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise.dispatch.ops._common import R, aten, local_block
-from shardwise.dispatch.registry import allow_plain_indices, register_custom_handler, register_strategy
-from shardwise.dispatch.strategy import AxisCandidate, OpSchema
+from shardwise.dispatch.registry import allow_plain_indices, register_custom_handler
 from shardwise.spec import DTensorSpec, TensorMeta
 
 __all__ = ["run_replicated"]
@@ -30,8 +29,11 @@ __all__ = ["run_replicated"]
 _DATA_DEPENDENT = [
     aten.nonzero.default, aten.masked_select.default, aten._unique.default, aten._unique2.default,
     aten.unique_dim.default, aten.unique_consecutive.default, aten.unique_dim_consecutive.default,
-    aten.bincount.default, aten.repeat_interleave.Tensor, aten.linalg_lstsq.default,
-    aten._histogramdd_bin_edges.default,
+    aten.bincount.default, aten.repeat_interleave.Tensor,
+    # no meta kernel: the output shapes cannot be computed without running the op
+    aten.linalg_lstsq.default, aten.geqrf.default, aten.histogram.bin_ct, aten.histogram.bins_tensor,
+    aten._histogramdd_bin_edges.default, aten._histogramdd_from_bin_cts.default,
+    aten._histogramdd_from_bin_tensors.default, aten._ctc_loss.Tensor, aten._ctc_loss_backward.Tensor,
 ]
 
 
@@ -65,13 +67,3 @@ def run_replicated(op: Any, args: tuple, kwargs: dict) -> Any:
 register_custom_handler(*_DATA_DEPENDENT)(run_replicated)
 allow_plain_indices(aten.masked_select.default, aten.masked_scatter.default, aten.masked_scatter_.default,
                     arguments=("mask",))
-
-
-@register_strategy(aten.masked_scatter.default, aten.masked_scatter_.default, aten.nonzero_static.default,
-                   aten._histogramdd_from_bin_cts.default, aten._histogramdd_from_bin_tensors.default)
-def whole_strategy(schema: OpSchema) -> list[AxisCandidate]:
-    """Which source element lands where depends on the mask's values before it: whole tensors.
-
-    (``nonzero_static`` and ``histogramdd`` have known shapes but read the input as a whole.)
-    """
-    return [(R,) * (1 + len(schema.specs))]

@@ -16,9 +16,11 @@ dim whole.
 
 from __future__ import annotations
 
+from typing import Any
+
 from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.ops.core_dims import aligned_axis_candidates, without_empty_blocks
-from shardwise.dispatch.registry import register_strategy
+from shardwise.dispatch.registry import register_custom_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
 from shardwise.placement import Shard
 
@@ -39,6 +41,15 @@ def view_as_real_strategy(schema: OpSchema) -> list[AxisCandidate]:
     candidates: list[AxisCandidate] = [(Shard(d), Shard(d)) for d in range(spec.ndim) if spec.shape[d] > 1]
     candidates += [(p, p) for p in dict.fromkeys(spec.placements) if p.is_partial() and p.reduce_op in ("sum", "avg")]
     return candidates + [(R, R)]
+
+
+@register_custom_handler(aten._conj.default)
+def conj(op: Any, args: tuple, kwargs: dict) -> Any:
+    """The conjugate (inverse FFTs of real signals take it), computed rather than a view with
+    the conjugate bit: a block that carries the bit would lose it when a collective copies its
+    raw storage, and the wrapper cannot carry it. Every layout is kept (``conj_physical`` is
+    pointwise); the result does not alias ``self``."""
+    return aten.conj_physical.default(args[0])
 
 
 @register_strategy(aten.view_as_complex.default)

@@ -8,20 +8,21 @@ A replicated matrix stays replicated (every rank computes the same result).
 
 Composite functions (``linalg.solve``, ``det``, ``svdvals``, ``pinv``, ``matrix_norm``,
 ``cond``, ``matrix_rank`` ...) reach shardwise as the kernels below plus products and
-reductions, so they need nothing of their own. ``_linalg_check_errors`` raises on a singular
+reductions, so they need nothing of their own (``lstsq`` and ``geqrf`` have no meta kernel:
+they gather and run, see ``data_dependent.py``). ``_linalg_check_errors`` raises on a singular
 or non-definite input: it reads the ``info`` codes whole, so every rank raises together.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Any, Mapping
 
-from shardwise.dispatch.ops._common import R, aten
+from shardwise.dispatch.ops._common import R, aten, bind_arguments
 from shardwise.dispatch.ops.core_dims import batch_axis_candidates, linear_partials
 from shardwise.dispatch.ops.norm import spec_arguments
 from shardwise.dispatch.ops.view import size_rewrite
-from shardwise.dispatch.registry import allow_plain_indices, register_strategy
+from shardwise.dispatch.registry import allow_plain_indices, register_custom_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
 from shardwise.placement import Shard
 from shardwise.spec import DTensorSpec
@@ -37,7 +38,7 @@ _MATRIX_OPS = [
     aten.linalg_solve_triangular.default, aten.triangular_solve.default,
     aten._linalg_det.default, aten._linalg_slogdet.default, aten._linalg_eigh.default,
     aten.linalg_eig.default, aten._linalg_eigvals.default,
-    aten._linalg_svd.default, aten.linalg_qr.default, aten.geqrf.default, aten.linalg_householder_product.default,
+    aten._linalg_svd.default, aten.linalg_qr.default, aten.linalg_householder_product.default,
     aten.linalg_matrix_exp.default, aten.linalg_ldl_factor_ex.default, aten.linalg_ldl_solve.default,
     aten.linalg_pinv.default, aten.linalg_pinv.atol_rtol_float, aten.linalg_pinv.atol_rtol_tensor,
     aten.linalg_pinv.rcond_tensor,
@@ -162,3 +163,17 @@ def diagonal_scatter_strategy(schema: OpSchema) -> list[AxisCandidate]:
     if not isinstance(src, DTensorSpec):
         return [(R, R)]
     return [(Shard(d), Shard(d), Shard(o)) for o, d in enumerate(kept) if spec.shape[d] > 1] + [(R, R, R)]
+
+
+# ---------------------------------------------------------------------- addbmm
+@register_custom_handler(aten.addbmm.default)
+def addbmm(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``beta * self + alpha * sum_b(batch1[b] @ batch2[b])`` as the bmm and sum it is: a
+    batch-sharded product then stays a pending sum until the add needs it."""
+    self, batch1, batch2, beta, alpha = bind_arguments(op, args, kwargs)
+    out = aten.sum.dim_IntList(aten.bmm.default(batch1, batch2), [0])
+    if alpha != 1:
+        out = aten.mul.Tensor(out, alpha)
+    if beta == 0:  # as on one device: self is ignored, NaNs included
+        return out
+    return aten.add.Tensor(out, self if beta == 1 else aten.mul.Tensor(self, beta))
