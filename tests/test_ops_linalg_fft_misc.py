@@ -46,8 +46,11 @@ def _linalg_fft():
     failures = []
     for fn, inputs, layouts in cases:
         failures += check_op(fn, inputs, layouts, mesh)
-    # Batch dims sharded: each rank factorizes / transforms its own rows, nothing moves.
-    failures += check_op(torch.linalg.cholesky, [_spd(8, 3)], [S0], mesh, expect_comms={})
+    # Batch dims sharded: each rank factorizes / transforms its own rows, nothing moves. (The
+    # checking forms, torch.linalg.cholesky, also gather the small info codes, so that every
+    # rank raises together on a non-definite matrix.)
+    failures += check_op(lambda a: torch.linalg.cholesky_ex(a).L, [_spd(8, 3)], [S0], mesh, expect_comms={})
+    failures += check_op(torch.linalg.cholesky, [_spd(8, 3)], [S0], mesh, expect_comms={"all_gather": 1})
     failures += check_op(lambda a: torch.fft.fft(a, dim=1).real, [torch.randn(8, 6)], [S0], mesh, grad=False, expect_comms={})
     return failures
 
@@ -125,10 +128,11 @@ def _layouts(mesh) -> list[str]:
     z.unsqueeze_(0)
     if z.shape != (1, 5, 3) or z.placements != (Shard(1),):
         failures.append(f"unsqueeze_: {z.shape} {z.placements}")
+    batch = sw.distribute_tensor(_spd(4, 3), mesh, S0)
     with CommDebugMode() as comms:
-        torch.linalg.cholesky(sw.distribute_tensor(_spd(4, 3), mesh, S0))
-    if comms.get_total_counts() != 0:
-        failures.append(f"cholesky of a batch-sharded tensor communicated: {comms.get_comm_counts()}")
+        factor = torch.linalg.cholesky_ex(batch).L
+    if comms.get_total_counts() != 0 or factor.placements != (Shard(0),):
+        failures.append(f"cholesky of a batch-sharded tensor: {factor.placements}, {comms.get_comm_counts()}")
     return failures
 
 
