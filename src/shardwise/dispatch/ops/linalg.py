@@ -1,4 +1,5 @@
-"""Linear algebra: factorizations, solves, inverses, determinants, decompositions, distances.
+"""Linear algebra: factorizations, solves, inverses, determinants, decompositions, distances,
+and the matrix helpers their formulas use (``diagonal``, ``trace``, ``cross``, ``addbmm``).
 
 Every ``torch.linalg`` kernel works on the last two dims of its matrices (the last one of its
 vectors: pivots, ``tau``, singular values) and loops over leading batch dims, broadcast between
