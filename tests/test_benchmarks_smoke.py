@@ -1,8 +1,8 @@
 """Smoke tests of the benchmark scripts: they run, finish, and report their summaries.
 
 Each script starts its own local gloo processes, so it runs as a subprocess. op_coverage's quick
-subset is also a correctness gate: shardwise must give no wrong result and no rank desync on it
-(errors, i.e. unsupported ops, are allowed: they are reported, not silently wrong).
+subset is also a correctness gate: shardwise must give no wrong result and no rank desync on it,
+and fully pass at least as many of its ops as torch's DTensor does in the same run.
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ def test_op_coverage_quick_has_no_wrong_or_desynced_shardwise_op():
     assert sw["cases_wrong"] == 0, f"shardwise wrong on: {_names(out, 'shardwise', 'wrong')}\n{out[-6000:]}"
     assert sw["cases_desync"] == 0 and sw["desync_ops"] == 0, f"shardwise desynced on: {_names(out, 'shardwise', 'desync')}\n{out[-6000:]}"
     assert sw["crash_ops"] == 0, f"shardwise crashed a rank on: {_names(out, 'shardwise', 'crash')}\n{out[-6000:]}"
+    # The common ops: shardwise runs at least every one torch's DTensor runs in the same run.
+    assert sw["ops_passing"] >= torch_["ops_passing"], (
+        f"shardwise fully passes {sw['ops_passing']} ops, torch {torch_['ops_passing']}; shardwise errors on: "
+        f"{_names(out, 'shardwise', 'error-only')}")
 
 
 def test_dispatch_overhead_quick_reports_medians():

@@ -292,7 +292,7 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
     if _composite(func) and registry.lookup(func) is None:
         return OutputPlan("custom", handler=_decompose)
     plain = _plain_data(func, args, kwargs)
-    unplaced = [(w, t) for w, t in plain if t.numel() != 1]
+    unplaced = [(w, t) for w, t in plain if not _scalar_like(t)]
     if unplaced and not _allowed(func, unplaced):
         return _StrictPlan(mesh)
     if unplaced:
@@ -351,6 +351,18 @@ def allow_mixed_meshes(*ops: Any) -> None:
     position as its own op (the ``_foreach_*`` family: gradients of a pipeline stage's and of
     another sub-mesh's parameters in one ``_foreach_norm``)."""
     _PER_POSITION.update(ops)
+
+
+def _scalar_like(t: torch.Tensor) -> bool:
+    """One value, replicated by construction: a one-element tensor or a broadcast scalar."""
+    return t.numel() == 1 or _broadcast_scalar(t)
+
+
+def _broadcast_scalar(t: torch.Tensor) -> bool:
+    """A scalar expanded to a shape (every stride 0): one value, replicated like a 0-dim tensor.
+
+    Composite ops build these (``quantile``'s ``q`` broadcast against its DTensor input)."""
+    return t.numel() > 0 and all(s == 0 for s in t.stride())
 
 
 def _mixed_meshes(dtensors: list, meshes: list) -> str:
@@ -414,7 +426,7 @@ def _StrictPlan(mesh) -> OutputPlan:
     implicit = _ImplicitPlan(mesh).handler
 
     def handler(func, args, kwargs):
-        plain = [(w, t) for w, t in _plain_data(func, args, kwargs) if t.numel() != 1]
+        plain = [(w, t) for w, t in _plain_data(func, args, kwargs) if not _scalar_like(t)]
         if torch._C._current_graph_task_id() != -1 and all(_zero_filled(t) for _, t in plain):
             return implicit(func, args, kwargs)
         where, tensor = plain[0]
@@ -437,7 +449,7 @@ def _ImplicitPlan(mesh, scalars_only: bool = False) -> OutputPlan:
 
     def handler(func, args, kwargs):
         if scalars_only:
-            chosen = {id(t) for _, t in _plain_data(func, args, kwargs) if t.numel() == 1}
+            chosen = {id(t) for _, t in _plain_data(func, args, kwargs) if _scalar_like(t)}
             wrap = lambda v: _as_replicate(v, mesh) if id(v) in chosen else v  # noqa: E731
         else:
             wrap = lambda v: _as_replicate(v, mesh)  # noqa: E731

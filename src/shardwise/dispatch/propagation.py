@@ -368,9 +368,17 @@ def flatten_outputs(out: Any) -> list:
 
 
 def _decomposition(op: Any) -> Callable | None:
+    """torch's decomposition of ``op``, else its composite (CompositeImplicitAutograd) kernel.
+
+    Composite ops (``flatten.using_ints``, ``quantile``, ``cross`` ...) are normally expanded
+    above the dispatcher, but reach it when called from inside another decomposition.
+    """
     from torch._decomp import decomposition_table
 
-    return decomposition_table.get(op)
+    found = decomposition_table.get(op)
+    if found is None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        return op.decompose
+    return found
 
 
 def _warn_fallback(op: Any, call: str) -> None:

@@ -6,3 +6,5 @@ from shardwise.dispatch.ops import norm, loss, attention, vocab_parallel  # noqa
 from shardwise.dispatch.ops import view, tensor  # noqa: F401
 from shardwise.dispatch.ops import random  # noqa: F401
 from shardwise.dispatch.ops import complex  # noqa: F401
+from shardwise.dispatch.ops import core_dims, linalg, fft, pooling, pad, rearrange, glu  # noqa: F401
+from shardwise.dispatch.ops import binning, data_dependent, inplace_view, whole  # noqa: F401

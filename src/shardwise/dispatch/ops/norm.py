@@ -1,4 +1,4 @@
-"""Normalizations: softmax / log_softmax, layer_norm, rms_norm, and their backward ops.
+"""Normalizations: softmax / log_softmax, layer_norm, rms_norm, group_norm, and their backward ops.
 
 They all normalize each "row" over some dims using statistics of the whole row, so:
 
@@ -22,11 +22,12 @@ reach them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import replace
+from typing import Callable, Sequence
 
 from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.registry import register_strategy
-from shardwise.dispatch.strategy import AxisCandidate, OpSchema, count_specs
+from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, count_specs, expand
 from shardwise.placement import Partial, Shard
 from shardwise.spec import DTensorSpec
 
@@ -140,3 +141,35 @@ def rms_norm_backward(schema: OpSchema) -> list[AxisCandidate]:
     """(grad_input, grad_weight) from (grad_out, input, rstd, weight?)."""
     n = _batch_ndim(schema, schema.arg(2, "normalized_shape"))
     return norm_candidates(schema, n, ("batch", "param"), grad_arg="grad_out")
+
+
+# ---------------------------------------------------------------------- group_norm
+# native_group_norm(input (N, C, *), weight?, bias?, N, C, HxW, group, eps) -> (out, mean, rstd)
+# with mean / rstd of shape (N, group). Groups span channels and every spatial position, so
+# only the samples (dim 0) may stay sharded; ``N`` is an argument and becomes the local count.
+def _local_samples(position: int, input_position: int) -> Callable:
+    def rewrite(args: list, kwargs: dict, output_specs: tuple) -> tuple[list, dict]:
+        args = list(args)
+        args[position] = args[input_position].shape[0]
+        return args, kwargs
+
+    return rewrite
+
+
+def _group_norm_candidates(schema: OpSchema, outputs: Sequence[str], grad_arg: str | None,
+                           position: int) -> list[Candidate]:
+    axis = norm_candidates(schema, 1, outputs, grad_arg=grad_arg)
+    rewrite = _local_samples(position, 0 if grad_arg is None else 1)
+    return [replace(c, rewrite=rewrite) for c in expand(axis, len(outputs), schema.mesh.ndim)]
+
+
+@register_strategy(aten.native_group_norm.default, per_axis=False)
+def group_norm_forward(schema: OpSchema) -> list[Candidate]:
+    """(out, mean, rstd) from (input, weight?, bias?): samples sharded, or everything whole."""
+    return _group_norm_candidates(schema, ("batch", "batch", "batch"), None, 3)
+
+
+@register_strategy(aten.native_group_norm_backward.default, per_axis=False)
+def group_norm_backward(schema: OpSchema) -> list[Candidate]:
+    """(grad_input, grad_weight, grad_bias) from (grad_out, input, mean, rstd, weight?)."""
+    return _group_norm_candidates(schema, ("batch", "param", "param"), "grad_out", 5)

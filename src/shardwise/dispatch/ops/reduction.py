@@ -183,6 +183,22 @@ def arg_extremum_candidates(schema: OpSchema) -> list[AxisCandidate]:
     return reduction_axis_candidates(schema, reduced, bool(schema.arg(2, "keepdim", False)), None)
 
 
+@register_strategy(aten.median.default, aten.nanmedian.default)
+def median_all_candidates(schema: OpSchema) -> list[AxisCandidate]:
+    """The median of every element: an order statistic, so the whole tensor on every rank."""
+    return reduction_axis_candidates(schema, reduced_dims(schema.specs[0].ndim, None), False, None)
+
+
+@register_strategy(aten.median.dim, aten.nanmedian.dim, aten.mode.default, aten.kthvalue.default)
+def order_statistic_candidates(schema: OpSchema) -> list[AxisCandidate]:
+    """(values, indices) of an order statistic along a dim: that dim whole, the others keep
+    their sharding (no collective computes a median of medians)."""
+    dim_position = 2 if schema.op is aten.kthvalue.default else 1
+    reduced = reduced_dims(schema.specs[0].ndim, schema.arg(dim_position, "dim", -1))
+    keepdim = bool(schema.arg(dim_position + 1, "keepdim", False))
+    return reduction_axis_candidates(schema, reduced, keepdim, None, n_out=2)
+
+
 @register_strategy(aten.prod.default, aten.prod.dim_int)
 def prod_candidates(schema: OpSchema) -> list[AxisCandidate]:
     """No product collective: the reduced dims must be whole, other dims keep their sharding."""
