@@ -1,5 +1,6 @@
 """Parallelism as configuration: parallel degrees, module plans and tensor-parallel styles."""
 
+from shardwise.missing import missing_names
 from shardwise.parallel.loss import loss_parallel
 from shardwise.parallel.parallel_dims import ParallelDims
 from shardwise.parallel.parallelize import parallelize_module
@@ -10,3 +11,6 @@ __all__ = [
     "ParallelDims", "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
     "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel",
 ]
+
+# torch names not provided yet (ddp, fsdp, input_reshard) raise an error saying so.
+__getattr__ = missing_names(__name__)
