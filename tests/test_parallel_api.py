@@ -1,5 +1,6 @@
 """torch's tensor-parallel API surface: uneven Colwise/Rowwise splits, head alignment,
-PrepareModuleInputOutput, parallelize_module's optional mesh and plan, src_data_rank.
+PrepareModuleInputOutput, PrepareModuleInput keyword layouts, parallelize_module's optional mesh
+and plan, src_data_rank, local_map.
 
 Oracle: the same module on one device (values and gradients).
 """
@@ -14,7 +15,7 @@ import shardwise as sw
 from shardwise import DTensor, Replicate, Shard
 from shardwise.debug import CommDebugMode
 from shardwise.parallel import (
-    ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel, parallelize_module,
+    ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, RowwiseParallel, parallelize_module,
 )
 from shardwise.parallel.heads import block_sizes
 from tests.llama_block import Block, rotary_tables
@@ -51,6 +52,14 @@ class _Mix(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 2 + x.sum(0, keepdim=True)
+
+
+class _Masked(nn.Module):
+    """Takes a keyword tensor whole; checks it receives plain tensors (use_local_output)."""
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        assert not isinstance(x, DTensor) and not isinstance(mask, DTensor)
+        return x * mask.sum(0)[:, None]
 
 
 def _data():
@@ -108,6 +117,10 @@ def _uneven_distributed():
         "wq": tuple(block.attention.wq.weight.to_local().shape),
     }
     res["mix_counts"] = mix_comm.get_comm_counts()
+    masked = parallelize_module(_Masked(), mesh, PrepareModuleInput(
+        input_kwarg_layouts={"mask": Shard(0)}, desired_input_kwarg_layouts={"mask": Replicate()},
+        use_local_output=True))
+    res["masked"] = masked(x.detach(), mask=local_rows)
     return res
 
 
@@ -137,6 +150,7 @@ def test_uneven_colwise_rowwise_match_single_device(dist):
             torch.testing.assert_close(g, want["emb"][1][name], **tol, msg=name)
         torch.testing.assert_close(got["mix"], want["mix"][2 * rank:2 * rank + 2], **tol)
         assert sum(got["mix_counts"].values()) == 1, got["mix_counts"]  # one all_gather in, none out
+        torch.testing.assert_close(got["masked"], _Masked()(x.detach(), mask=rows), **tol)
 
 
 def _split_heads():

@@ -126,17 +126,23 @@ def _check_plain(module: nn.Module, style: str, name: str) -> None:
                          f"({param._spec.render()}); apply one style per module")
 
 
-def _with_global_size(value: Any, given: Placement | None, dim: int, size: int) -> tuple[int, ...] | None:
+def _with_global_size(
+    value: Any, mesh: DeviceMesh, given: Placement | None, dim: int, size: int
+) -> tuple[int, ...] | None:
     """The global shape of a plain input sharded by ``given`` whose dim ``dim`` is known to be ``size``.
 
     A rank's block alone cannot tell an uneven split (10 features on 4 ranks: 3, 3, 3, 1) from
     an even one, but the module can: a row-sharded Linear's input has ``in_features`` features.
-    None when ``given`` does not shard that dim (the default even-block inference applies).
+    None when ``given`` does not shard that dim, or when this rank's block is not the piece of
+    ``size`` it should hold (then the even-block inference applies and the mistake is reported
+    as before, by the Linear or the layout check).
     """
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not isinstance(given, Shard):
         return None
-    ndim = value.dim()
-    if ndim == 0 or not -ndim <= given.dim < ndim or given.normalized(ndim).dim != dim % ndim:
+    ndim, coordinate = value.dim(), mesh.get_coordinate()
+    if ndim == 0 or not -ndim <= given.dim < ndim or given.normalized(ndim).dim != dim % ndim or coordinate is None:
+        return None
+    if value.shape[dim] != Shard.chunk(size, mesh.size(), coordinate[0])[0]:
         return None
     shape = list(value.shape)
     shape[dim] = size
@@ -190,7 +196,7 @@ class _LinearPair(ParallelStyle):
         def before(mod, inputs):
             x = inputs[0]
             # A Linear's input has in_features features however unevenly its blocks split them.
-            shape = _with_global_size(x, given, -1, features) if features is not None else None
+            shape = _with_global_size(x, mesh, given, -1, features) if features is not None else None
             return (to_layout(x, mesh, given, desired, shape), *inputs[1:])
 
         def after(mod, inputs, out):
