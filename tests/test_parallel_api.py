@@ -164,13 +164,24 @@ def _split_heads_rowwise():
                        {"attention.wo": RowwiseParallel()})
 
 
+def _kv_heads_apart():
+    # 12 query heads over 3 kv heads (head_dim 2) on 4 ranks: 3 query heads per rank, kv heads 1, 1, 1, 0.
+    parallelize_module(Block(dim=24, n_heads=12, n_kv_heads=3, hidden=8), sw.init_device_mesh("cpu", (TP,)),
+                       {"attention.w[qkv]": ColwiseParallel()})
+
+
 def test_a_split_that_would_cut_an_attention_head_names_module_and_numbers(dist):
+    """Uneven splits are refused only where the attention's view into heads needs whole heads,
+    or its grouped kv heads would not match the query heads of the same rank."""
     dist.run_expect_error(TP, _split_heads, match=(
         r"plan\['attention.wq'\] on module 'attention.wq' \(Linear.*would split attention heads across ranks: "
         r"its 10 out_features are 5 heads of 2 \(attention.head_dim = 2\).*\[3, 3, 3, 1\] features "
         r"\(1.5, 1.5, 1.5, 0.5 heads\).*\(1, 3, 5 ranks\)"))
     dist.run_expect_error(TP, _split_heads_rowwise, match=(
         r"module 'attention.wo'.*its 12 in_features are 6 heads of 2.*\[3, 3, 3, 3\] features"))
+    dist.run_expect_error(TP, _kv_heads_apart, match=(
+        r"splits the attention heads of module 'attention' apart: the 12 heads of 'attention.wq' share the 3 "
+        r"heads of 'attention.wk' in groups of 4, but the 4 ranks .* would hold \[3, 3, 3, 3\] and \[1, 1, 1, 0\]"))
 
 
 def _default_mesh_and_src_rank():
@@ -258,3 +269,4 @@ def test_local_map_runs_a_blockwise_function_on_dtensors(dist):
         torch.testing.assert_close(w_grad, w.grad)
         torch.testing.assert_close(moved, y.detach())
         assert len(errors) == 1 and "local_map(mm): argument 0" in errors[0] and "redistribute_inputs=True" in errors[0]
+

@@ -8,6 +8,11 @@ of heads. A plan that would hand a rank 1.5 heads fails there with a bare shape 
 the model; this check names the module and the numbers while the plan is checked, before
 anything is distributed.
 
+Grouped key/value heads add one condition: each rank's query heads must be the ones its
+key/value heads serve (12 query heads over 3 kv heads on 4 ranks: 3 query heads but 1, 1, 1, 0
+kv heads per rank, so the local repeat of kv heads does not match). ``check_head_groups``
+compares the per-rank head counts of the column-sharded projections of one attention module.
+
 What is a head is read from the projection's parent module, by the attribute names attention
 implementations use for it (``head_dim``, ``head_size``, ...). Without such an attribute, or
 when the split features are not a multiple of it, nothing is checked.
@@ -15,12 +20,14 @@ when the split features are not a multiple of it, nothing is checked.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from torch import nn
 
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Shard
 
-__all__ = ["HEAD_DIM_NAMES", "head_dim_of", "block_sizes", "check_head_alignment"]
+__all__ = ["HEAD_DIM_NAMES", "head_dim_of", "block_sizes", "check_head_alignment", "check_head_groups"]
 
 HEAD_DIM_NAMES = ("head_dim", "head_size", "d_head", "attention_head_size")
 
@@ -72,3 +79,40 @@ def check_head_alignment(
         f"as heads would cut a head in two. Use a tensor-parallel degree that splits {heads} heads "
         f"whole ({', '.join(map(str, fits))} ranks), or leave this module replicated"
     )
+
+
+def _heads_per_rank(style: object, module: nn.Module, parent: nn.Module, ranks: int) -> list[int] | None:
+    """Per-rank head counts of a column-sharded projection of ``parent`` (None: not one)."""
+    features = getattr(style, "sharded_features", None)
+    head = head_dim_of(parent)
+    split = features(module) if features is not None else None
+    if split is None or head is None or split[0] != "out_features" or split[1] % head[1]:
+        return None
+    return [b // head[1] for b in block_sizes(split[1], ranks)]
+
+
+def check_head_groups(
+    projections: Sequence[tuple[str, object, nn.Module, nn.Module]], mesh: DeviceMesh
+) -> None:
+    """Raise ``ValueError`` if query and key/value heads of one attention fall apart across ranks.
+
+    ``projections``: (path, style, module, parent) of every styled module whose parent is the
+    same attention module. For two column-sharded projections with H and H / r heads (r query
+    heads per kv head), every rank must hold r times as many of the first as of the second.
+    """
+    ranks = mesh.size()
+    counts = [(path, heads) for path, style, module, parent in projections
+              if (heads := _heads_per_rank(style, module, parent, ranks)) is not None]
+    for path_a, a in counts:
+        for path_b, b in counts:
+            total_a, total_b = sum(a), sum(b)
+            if total_b == 0 or total_a <= total_b or total_a % total_b:
+                continue
+            group = total_a // total_b
+            if any(x != group * y for x, y in zip(a, b)):
+                raise ValueError(
+                    f"the {total_a} heads of {path_a!r} share the {total_b} heads of {path_b!r} in groups of "
+                    f"{group}, but the {ranks} ranks of {mesh} would hold {a} and {b} of them, so a rank's "
+                    f"{path_a.rpartition('.')[2]} heads would not match its {path_b.rpartition('.')[2]} heads. "
+                    f"Use a tensor-parallel degree dividing {total_b}, or leave {path_b!r} replicated"
+                )

@@ -20,7 +20,7 @@ from torch import nn
 
 from shardwise.api import default_mesh
 from shardwise.mesh import DeviceMesh
-from shardwise.parallel.heads import check_head_alignment
+from shardwise.parallel.heads import check_head_alignment, check_head_groups
 from shardwise.parallel.style import ParallelStyle, describe_module
 
 __all__ = ["parallelize_module"]
@@ -58,6 +58,21 @@ def resolve_plan(module: nn.Module, plan: dict[str, ParallelStyle]) -> list[tupl
             f"(its modules include: {some}, ...)"
         )
     return resolved
+
+
+def _check_attention_groups(resolved: list, modules: dict[str, nn.Module], mesh: DeviceMesh) -> None:
+    """Query and key/value projections of one attention module keep their heads together."""
+    by_parent: dict[str, list] = {}
+    for _, path, target, style in resolved:
+        if path:
+            parent_path = path.rpartition(".")[0]
+            by_parent.setdefault(parent_path, []).append((path, style, target, modules[parent_path]))
+    for parent_path, projections in by_parent.items():
+        try:
+            check_head_groups(projections, mesh)
+        except ValueError as err:
+            where = f"module {parent_path!r}" if parent_path else "the root module"
+            raise ValueError(f"parallelize_module: the plan splits the attention heads of {where} apart: {err}") from None
 
 
 def parallelize_module(
@@ -109,6 +124,7 @@ def parallelize_module(
         except ValueError as err:
             where = f"module {path!r}" if path else "the root module"
             raise ValueError(f"parallelize_module: plan[{key!r}] on {where} ({describe_module(target)}): {err}") from None
+    _check_attention_groups(resolved, modules, device_mesh)
     for _, _, target, style in resolved:
         style.src_data_rank = src_data_rank
         style.apply(target, device_mesh)
