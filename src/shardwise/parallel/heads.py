@@ -61,7 +61,7 @@ def check_head_alignment(
     head = head_dim_of(parent)
     if split is None or head is None:
         return
-    what, size, _ = split
+    what, size = split
     attr, head_dim = head
     ranks = mesh.size()
     if size % head_dim:  # not heads x head_dim: some other projection of the parent

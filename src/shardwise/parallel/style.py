@@ -175,9 +175,9 @@ class _LinearPair(ParallelStyle):
             if getattr(module, param, None) is not None:
                 _check_plain(module, name, param)
 
-    def sharded_features(self, module: nn.Module) -> tuple[str, int, int] | None:
-        """(what, size, weight dim) of the features this style splits over the ranks, for messages
-        and head-alignment checks; None where it splits no feature dim of the activations."""
+    def sharded_features(self, module: nn.Module) -> tuple[str, int] | None:
+        """(what, size) of the features this style splits over the ranks, for messages and
+        head-alignment checks; None where it splits no feature dim of the activations."""
         raise NotImplementedError
 
     def _desired_input(self, module: nn.Module) -> Placement:
@@ -219,10 +219,10 @@ class ColwiseParallel(_LinearPair):
     _default_input = Replicate()
     _default_output = Shard(-1)
 
-    def sharded_features(self, module: nn.Module) -> tuple[str, int, int] | None:
+    def sharded_features(self, module: nn.Module) -> tuple[str, int] | None:
         if isinstance(module, nn.Linear):
-            return "out_features", module.out_features, 0
-        return "embedding_dim", module.embedding_dim, 1
+            return "out_features", module.out_features
+        return "embedding_dim", module.embedding_dim
 
     def _desired_input(self, module: nn.Module) -> Placement:
         return Replicate()
@@ -254,9 +254,9 @@ class RowwiseParallel(_LinearPair):
         self._explicit_input = input_layouts is not None
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
 
-    def sharded_features(self, module: nn.Module) -> tuple[str, int, int] | None:
+    def sharded_features(self, module: nn.Module) -> tuple[str, int] | None:
         if isinstance(module, nn.Linear):
-            return "in_features", module.in_features, 1
+            return "in_features", module.in_features
         return None  # an Embedding's rows are vocabulary entries, not activation features
 
     def _desired_input(self, module: nn.Module) -> Placement:
