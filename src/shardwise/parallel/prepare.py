@@ -1,4 +1,5 @@
-"""PrepareModuleInput / PrepareModuleOutput: layout conversions at a module's boundary.
+"""PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput: layout conversions at a
+module's boundary.
 
 They shard nothing. They say what layout a module's inputs (or outputs) are in and what layout
 they should be moved to, e.g. an attention block that receives the sequence-sharded residual
@@ -17,7 +18,7 @@ from shardwise.mesh import DeviceMesh
 from shardwise.parallel.style import ParallelStyle, from_layout, to_layout
 from shardwise.placement import Placement
 
-__all__ = ["PrepareModuleInput", "PrepareModuleOutput"]
+__all__ = ["PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"]
 
 Layouts = Placement | Sequence[Placement | None] | None
 
@@ -128,4 +129,41 @@ class PrepareModuleOutput(ParallelStyle):
             return moved[0] if single else moved
 
         module.register_forward_hook(hook)
+        return module
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """``PrepareModuleInput`` and ``PrepareModuleOutput`` on one module, as one plan entry.
+
+    A plan maps each module to one style, so a module whose inputs and outputs both change
+    layout (e.g. a block that takes the sequence-sharded stream whole and hands it back
+    sharded) takes this one. The arguments are those of the two styles; ``use_local_input``
+    is ``PrepareModuleInput``'s ``use_local_output`` (hand the module local blocks).
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Layouts = None,
+        desired_input_layouts: Layouts = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_input: bool = False,
+        output_layouts: Layouts,
+        desired_output_layouts: Layouts,
+        use_local_output: bool = True,
+    ) -> None:
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts, desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input,
+        )
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output,
+        )
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        self.prepare_module_input.apply(module, mesh)
+        self.prepare_module_output.apply(module, mesh)
         return module

@@ -41,16 +41,18 @@ def describe_module(module: nn.Module) -> str:
     return f"{type(module).__name__}({module.extra_repr()})"
 
 
-def to_layout(value: Any, mesh: DeviceMesh, given: Placement | None, desired: Placement | None) -> Any:
+def to_layout(value: Any, mesh: DeviceMesh, given: Placement | None, desired: Placement | None,
+              shape: Sequence[int] | None = None) -> Any:
     """An input moved to ``desired``: a plain tensor is first taken to be laid out as ``given``.
 
     ``None`` (for ``given`` or ``desired``) leaves the value as it is: non-tensor arguments and
-    inputs a style does not manage.
+    inputs a style does not manage. ``shape``: the global shape of a plain input, where the
+    style knows it (uneven blocks); otherwise it is inferred assuming even blocks.
     """
     if given is None or not isinstance(value, torch.Tensor):
         return value
     if not isinstance(value, DTensor):
-        value = DTensor.from_local(value, mesh, [given])
+        value = DTensor.from_local(value, mesh, [given], shape=shape)
     if desired is not None and value._spec.placements != (desired,):
         value = value.redistribute(mesh, [desired])
     return value
@@ -76,7 +78,15 @@ def _one(layout: Placement | Sequence[Placement] | None, what: str) -> Placement
 
 
 class ParallelStyle:
-    """Base class of module parallelization styles; see the module docstring."""
+    """Base class of module parallelization styles; see the module docstring.
+
+    ``src_data_rank`` (set by ``parallelize_module``, as in torch): the rank, along the mesh,
+    whose parameter values are distributed (default 0: the single-device model's values on
+    every rank); ``None``: every rank keeps its own values and cuts its block locally, with no
+    communication (for parameters each rank already initialized identically, or will reset).
+    """
+
+    src_data_rank: int | None = 0
 
     def check(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """Raise ``ValueError`` if this style cannot apply to ``module`` on ``mesh`` (no collectives)."""
@@ -99,25 +109,44 @@ class ParallelStyle:
         return f"{type(self).__name__}({fields})"
 
 
-def _shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement) -> None:
+def _shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
+                     src_data_rank: int | None = 0) -> None:
     param = getattr(module, name, None)
     if param is None or isinstance(param, DTensor):
         return
-    dt = distribute_tensor(param.data, mesh, [placement])
+    dt = distribute_tensor(param.data, mesh, [placement], src_data_rank=src_data_rank)
     module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
-def _check_divisible(module: nn.Module, mesh: DeviceMesh, style: str, name: str, dim: int, what: str) -> None:
+def _check_plain(module: nn.Module, style: str, name: str) -> None:
+    """A style shards plain parameters only: a DTensor one means two styles on one module."""
     param = getattr(module, name)
     if isinstance(param, DTensor):
         raise ValueError(f"{style}: {type(module).__name__}.{name} is already a DTensor "
                          f"({param._spec.render()}); apply one style per module")
-    size, n = param.shape[dim], mesh.size()
-    if size % n:
-        raise ValueError(
-            f"{style}: {type(module).__name__}.{name} has {what} {size}, not divisible by the "
-            f"{n} ranks of {mesh}; shard a dim divisible by the mesh size (pad it) or leave the module replicated"
-        )
+
+
+def _with_global_size(
+    value: Any, mesh: DeviceMesh, given: Placement | None, dim: int, size: int
+) -> tuple[int, ...] | None:
+    """The global shape of a plain input sharded by ``given`` whose dim ``dim`` is known to be ``size``.
+
+    A rank's block alone cannot tell an uneven split (10 features on 4 ranks: 3, 3, 3, 1) from
+    an even one, but the module can: a row-sharded Linear's input has ``in_features`` features.
+    None when ``given`` does not shard that dim, or when this rank's block is not the piece of
+    ``size`` it should hold (then the even-block inference applies and the mistake is reported
+    as before, by the Linear or the layout check).
+    """
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not isinstance(given, Shard):
+        return None
+    ndim, coordinate = value.dim(), mesh.get_coordinate()
+    if ndim == 0 or not -ndim <= given.dim < ndim or given.normalized(ndim).dim != dim % ndim or coordinate is None:
+        return None
+    if value.shape[dim] != Shard.chunk(size, mesh.size(), coordinate[0])[0]:
+        return None
+    shape = list(value.shape)
+    shape[dim] = size
+    return tuple(shape)
 
 
 class _LinearPair(ParallelStyle):
@@ -140,12 +169,16 @@ class _LinearPair(ParallelStyle):
     def check(self, module: nn.Module, mesh: DeviceMesh) -> None:
         super().check(module, mesh)
         name = type(self).__name__
-        if isinstance(module, nn.Linear):
-            self._check_linear(module, mesh)
-        elif isinstance(module, nn.Embedding):
-            self._check_embedding(module, mesh)
-        else:
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
             raise ValueError(f"{name} cannot shard {describe_module(module)}: it supports nn.Linear and nn.Embedding")
+        for param in ("weight", "bias"):
+            if getattr(module, param, None) is not None:
+                _check_plain(module, name, param)
+
+    def sharded_features(self, module: nn.Module) -> tuple[str, int] | None:
+        """(what, size) of the features this style splits over the ranks, for messages and
+        head-alignment checks; None where it splits no feature dim of the activations."""
+        raise NotImplementedError
 
     def _desired_input(self, module: nn.Module) -> Placement:
         raise NotImplementedError
@@ -158,8 +191,13 @@ class _LinearPair(ParallelStyle):
         given, desired = self._given_input(module), self._desired_input(module)
         output, local = self.output_layouts, self.use_local_output
 
+        features = module.in_features if isinstance(module, nn.Linear) else None
+
         def before(mod, inputs):
-            return (to_layout(inputs[0], mesh, given, desired), *inputs[1:])
+            x = inputs[0]
+            # A Linear's input has in_features features however unevenly its blocks split them.
+            shape = _with_global_size(x, mesh, given, -1, features) if features is not None else None
+            return (to_layout(x, mesh, given, desired, shape), *inputs[1:])
 
         def after(mod, inputs, out):
             return from_layout(out, mesh, output, local)
@@ -173,27 +211,28 @@ class ColwiseParallel(_LinearPair):
 
     Input: ``input_layouts`` (default ``Replicate()``), moved to replicated. Output: sharded on
     the last dim, moved to ``output_layouts`` (default ``Shard(-1)``); a local tensor unless
-    ``use_local_output=False``.
+    ``use_local_output=False``. A feature count the ranks do not divide is split as torch.chunk
+    splits it (10 on 4 ranks: 3, 3, 3, 1); ``parallelize_module`` refuses a split that would
+    cut an attention head (``heads.py``).
     """
 
     _default_input = Replicate()
     _default_output = Shard(-1)
 
-    def _check_linear(self, module: nn.Linear, mesh: DeviceMesh) -> None:
-        _check_divisible(module, mesh, "ColwiseParallel", "weight", 0, "out_features")
-
-    def _check_embedding(self, module: nn.Embedding, mesh: DeviceMesh) -> None:
-        _check_divisible(module, mesh, "ColwiseParallel", "weight", 1, "embedding_dim")
+    def sharded_features(self, module: nn.Module) -> tuple[str, int] | None:
+        if isinstance(module, nn.Linear):
+            return "out_features", module.out_features
+        return "embedding_dim", module.embedding_dim
 
     def _desired_input(self, module: nn.Module) -> Placement:
         return Replicate()
 
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear):
-            _shard_parameter(module, "weight", mesh, Shard(0))
-            _shard_parameter(module, "bias", mesh, Shard(0))
+            _shard_parameter(module, "weight", mesh, Shard(0), self.src_data_rank)
+            _shard_parameter(module, "bias", mesh, Shard(0), self.src_data_rank)
         else:
-            _shard_parameter(module, "weight", mesh, Shard(1))
+            _shard_parameter(module, "weight", mesh, Shard(1), self.src_data_rank)
         self._install_hooks(module, mesh)
         return module
 
@@ -204,6 +243,8 @@ class RowwiseParallel(_LinearPair):
     Input: ``input_layouts`` (default ``Shard(-1)``; ``Replicate()`` token ids for an Embedding),
     moved to what the math needs. Output: a partial sum, reduced to ``output_layouts`` (default
     ``Replicate()``: one all-reduce; ``Shard(1)``: one reduce-scatter, for sequence parallelism).
+    Uneven splits as in ColwiseParallel: a plain input's blocks are read against the Linear's
+    ``in_features``, so the blocks a ColwiseParallel before it hands on fit.
     """
 
     _default_input = Shard(-1)
@@ -213,11 +254,10 @@ class RowwiseParallel(_LinearPair):
         self._explicit_input = input_layouts is not None
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
 
-    def _check_linear(self, module: nn.Linear, mesh: DeviceMesh) -> None:
-        _check_divisible(module, mesh, "RowwiseParallel", "weight", 1, "in_features")
-
-    def _check_embedding(self, module: nn.Embedding, mesh: DeviceMesh) -> None:
-        _check_divisible(module, mesh, "RowwiseParallel", "weight", 0, "num_embeddings")
+    def sharded_features(self, module: nn.Module) -> tuple[str, int] | None:
+        if isinstance(module, nn.Linear):
+            return "in_features", module.in_features
+        return None  # an Embedding's rows are vocabulary entries, not activation features
 
     def _desired_input(self, module: nn.Module) -> Placement:
         return Shard(-1) if isinstance(module, nn.Linear) else Replicate()
@@ -228,10 +268,10 @@ class RowwiseParallel(_LinearPair):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear):
-            _shard_parameter(module, "weight", mesh, Shard(1))
-            _shard_parameter(module, "bias", mesh, Replicate())
+            _shard_parameter(module, "weight", mesh, Shard(1), self.src_data_rank)
+            _shard_parameter(module, "bias", mesh, Replicate(), self.src_data_rank)
         else:
-            _shard_parameter(module, "weight", mesh, Shard(0))
+            _shard_parameter(module, "weight", mesh, Shard(0), self.src_data_rank)
         self._install_hooks(module, mesh)
         return module
 
@@ -269,7 +309,7 @@ class SequenceParallel(ParallelStyle):
         for submodule in module.modules():
             for name, param in list(submodule.named_parameters(recurse=False)):
                 if not isinstance(param, DTensor):
-                    _shard_parameter(submodule, name, mesh, Replicate())
+                    _shard_parameter(submodule, name, mesh, Replicate(), self.src_data_rank)
         shard, local = Shard(self.sequence_dim), self.use_local_output
         unchecked = [self.check_plain_inputs]  # cleared by the first call
 
