@@ -38,10 +38,10 @@ def _additive(candidates: list[AxisCandidate]) -> list[AxisCandidate]:
     return [c for c in candidates if not any(p is not None and p.is_partial() and p.reduce_op not in ("sum", "avg") for p in c)]
 
 
-@register_strategy(aten._conj.default, aten.conj_physical.default, aten._conj_physical.default,
-                   aten.resolve_conj.default, aten.resolve_neg.default, aten._neg_view.default)
+@register_strategy(aten.conj_physical.default, aten._conj_physical.default, aten.resolve_conj.default, aten.resolve_neg.default, aten._neg_view.default)
 def conj_strategy(schema: OpSchema) -> list[AxisCandidate]:
-    """Elementwise and additive: the layout passes through (Partial included)."""
+    """Elementwise and additive: the layout passes through (Partial included). (``_conj`` itself
+    is computed, not a conjugate-bit view: see ``ops/fft.py``.)"""
     spec = schema.specs[0]
     candidates = [(Shard(d), Shard(d)) for d in range(spec.ndim)]
     candidates += [(p, p) for p in partials(spec) if p.reduce_op in ("sum", "avg")]
