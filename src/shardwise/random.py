@@ -53,10 +53,12 @@ Example:
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
     from shardwise.spec import DTensorSpec
@@ -66,6 +68,7 @@ __all__ = [
     "bernoulli",
     "draw",
     "get_rng_state",
+    "layout_independent",
     "manual_seed",
     "mix64",
     "next_offset",
@@ -458,3 +461,63 @@ def random_block(kind: str, spec: DTensorSpec, *, p: float | torch.Tensor = 0.5)
             if placement.is_partial():
                 local = placement.partition_value(local, coordinate[axis])
     return local
+
+
+# ---------------------------------------------------------------------- plain tensors
+class _PlainFills(TorchDispatchMode):
+    """Routes ``uniform_`` / ``normal_`` on plain tensors to the stream; everything else passes.
+
+    A plain tensor is taken as a whole global tensor (its block is all of it), so it receives
+    exactly the values a DTensor of the same global shape receives, whatever its layout. Meta
+    tensors have no values: they are left alone and consume no counters, as torch's generator
+    does not advance for meta tensors either.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        fill = _PLAIN_FILLS.get(func)
+        target = args[0] if args else None
+        if fill is None or type(target) not in (torch.Tensor, torch.nn.Parameter):
+            return func(*args, **kwargs)
+        if target.is_meta:
+            return target
+        return fill(target, *args[1:], **kwargs)
+
+
+def _fill_uniform_(t: torch.Tensor, low: float = 0.0, high: float = 1.0, *, generator: Any = None, **kw: Any) -> torch.Tensor:
+    low, high = kw.get("from", low), kw.get("to", high)
+    shape = tuple(t.shape)
+    block = draw("uniform", shape, (0,) * len(shape), shape, dtype=t.dtype, device=t.device)
+    return t.copy_(block * (high - low) + low)  # the same arithmetic as a DTensor's uniform_
+
+
+def _fill_normal_(t: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: Any = None) -> torch.Tensor:
+    shape = tuple(t.shape)
+    block = draw("normal", shape, (0,) * len(shape), shape, dtype=t.dtype, device=t.device)
+    return t.copy_(block * std + mean)  # the same arithmetic as a DTensor's normal_
+
+
+_PLAIN_FILLS: dict[Any, Callable[..., torch.Tensor]] = {
+    torch.ops.aten.uniform_.default: _fill_uniform_,
+    torch.ops.aten.normal_.default: _fill_normal_,
+}
+
+
+@contextmanager
+def layout_independent() -> Iterator[None]:
+    """Inside, plain tensors' random fills draw from shardwise's stream, as DTensors' do.
+
+    ``uniform_`` and ``normal_`` (what ``nn.init`` uses: ``normal_``, ``uniform_``,
+    ``trunc_normal_``, the Kaiming and Xavier inits) on a plain tensor give the values a
+    DTensor of the same global shape gets from the same stream position. So a model
+    initialized whole on one device and the same model initialized after sharding (built on
+    the meta device, parallelized, ``to_empty``) hold equal parameters given the same seed
+    and the same order of fills. Meta tensors are skipped and consume no counters.
+
+    Example:
+        >>> manual_seed(0)
+        >>> with layout_independent():
+        ...     model.init_weights()          # one device, or every rank of a sharded model
+    """
+    with _PlainFills():
+        yield

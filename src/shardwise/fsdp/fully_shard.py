@@ -35,6 +35,17 @@ class FSDPModule:
         """Free this module's gathered parameters."""
         state_of(self).group.reshard()
 
+    def _apply(self, fn, recurse: bool = True):
+        """``to_empty`` / ``.to`` / ``.cuda``: move the shards, then rebuild the gathered storage on their device.
+
+        A model built on the meta device and fully_shard'ed holds meta shards; after
+        ``to_empty(device=...)`` every rank owns real storage of its shards only, in the same
+        layout, ready for ``init_weights()``.
+        """
+        module = super()._apply(fn, recurse)
+        state_of(self).follow_parameters()
+        return module
+
 
 _FSDP_CLASSES: dict[type, type] = {}
 

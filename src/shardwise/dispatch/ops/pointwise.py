@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from shardwise.dispatch.ops._common import R, aten, aten_ops_tagged, broadcast_dim, num_tensor_outputs, tensor_shapes
-from shardwise.dispatch.registry import register_strategy, scalars_matter_by_sign_only
+from shardwise.dispatch.registry import register_custom_handler, register_strategy, scalars_matter_by_sign_only
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema
 from shardwise.placement import Partial, Placement, Shard
-from shardwise.spec import DTensorSpec
+from shardwise.spec import DTensorSpec, TensorMeta
 
 _FLIP = {"max": "min", "min": "max"}
 
@@ -123,9 +123,34 @@ def _unpartial(p: Placement) -> Placement:
     return R if p.is_partial() else p
 
 
-@register_strategy(aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-                   aten.full_like.default, per_axis=False)
+@register_strategy(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, per_axis=False)
 def like_candidates(schema: OpSchema) -> list[Candidate]:
     """``*_like`` factories read no values: keep the layout, Partial becomes Replicate."""
     spec = schema.specs[0]
     return [Candidate((None,), (tuple(_unpartial(p) for p in spec.placements),))]
+
+
+@register_custom_handler(aten.empty_like.default)
+def empty_like(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Uninitialized blocks of the same layout, Partial included (what ``module.to_empty`` uses).
+
+    Undefined values lose nothing by staying pending, so the placements are kept exactly and a
+    buffer that was Partial before ``to_empty`` is Partial after it. ``device`` may move the
+    blocks between the mesh's device and "meta"; any other device raises before anything is
+    allocated (every rank calls it alike, so every rank raises).
+    """
+    from shardwise.dtensor import DTensor
+
+    x = args[0]
+    spec = x._spec
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type not in ("meta", spec.mesh.device_type):
+        raise ValueError(
+            f"empty_like / to_empty: device={str(device)!r} is not covered by {spec.mesh}: its ranks hold "
+            f"{spec.mesh.device_type} blocks of {spec.render()}; use device={spec.mesh.device_type!r} (or 'meta')"
+        )
+    options = {k: v for k, v in kwargs.items() if k != "device"}
+    whole = torch.empty_like(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"), **options)
+    local = torch.empty_like(x._local_tensor, **kwargs)
+    out = DTensorSpec(spec.mesh, spec.placements, TensorMeta(whole.shape, whole.stride(), whole.dtype))
+    return DTensor(local, out, requires_grad=False)
