@@ -70,3 +70,126 @@ def test_meta_built_model_equals_single_device_model_for_fsdp_tp_and_both(dist):
             assert r["keys"] and r["cpu"], (rank, layout, r)
             assert r["sharded"] > 0, f"{layout}: nothing was sharded"
             assert not r["unequal"], f"rank {rank} {layout}: {r['unequal']} differ from the single-device model"
+
+
+def _meta_apis(_: int) -> dict:
+    """Each entry point on meta input: block shapes, devices and placements, before/after to_empty."""
+    from torch import nn
+
+    import shardwise
+    from shardwise import random as sw_random
+    from shardwise.api import distribute_tensor
+    from shardwise.debug import CommDebugMode
+    from shardwise.dtensor import DTensor
+    from shardwise.fsdp import fully_shard, replicate
+    from shardwise.mesh import init_device_mesh
+    from shardwise.module_api import distribute_module
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from shardwise.placement import Partial, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (4,))
+    out: dict = {}
+
+    def layout(t: DTensor) -> tuple:
+        return (t._local_tensor.device.type, tuple(t._local_tensor.shape), tuple(t.placements))
+
+    before = sw_random.get_rng_state()
+    with CommDebugMode() as comms:
+        whole = torch.empty(10, 6, device="meta")
+        out["distribute_tensor"] = [layout(distribute_tensor(whole, mesh, [p])) for p in (Shard(0), Replicate(), Partial())]
+        out["from_local"] = layout(DTensor.from_local(torch.empty(3, 6, device="meta"), mesh, [Shard(0)]))
+        out["factories"] = [layout(f(10, 6, device_mesh=mesh, placements=[Shard(1)], device="meta"))
+                            for f in (shardwise.zeros, shardwise.ones, shardwise.empty, shardwise.rand, shardwise.randn)]
+        out["full"] = layout(shardwise.full((10, 6), 2.0, device_mesh=mesh, placements=[Shard(0)], device="meta"))
+        out["random_unmoved"] = sw_random.get_rng_state() == before
+
+        def build() -> nn.Module:
+            with torch.device("meta"):
+                return nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 6))
+
+        tp = parallelize_module(build(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        dm = distribute_module(build(), mesh)
+        dm.register_buffer("pending", distribute_tensor(torch.empty(6, device="meta"), mesh, [Partial()]))
+        fs = build()
+        fully_shard(fs[0], mesh=mesh)
+        fully_shard(fs, mesh=mesh)
+        rp = replicate(build(), mesh=mesh)
+        models = {"parallelize_module": tp, "distribute_module": dm, "fully_shard": fs, "replicate": rp}
+        out["meta"] = {k: [layout(p) for p in m.parameters()] for k, m in models.items()}
+    out["meta_comms"] = comms.get_total_counts()
+
+    # Forward before to_empty: one clear error on every rank, nothing communicated.
+    errors = {}
+    for name in ("fully_shard", "replicate"):
+        try:
+            models[name](torch.ones(2, 6))
+        except RuntimeError as err:
+            errors[name] = str(err)
+    # to_empty onto a device the mesh does not cover. On a CPU-only torch build, torch's argument
+    # parser refuses "cuda" before dispatch; the op to_empty reaches is checked directly too.
+    try:
+        tp.to_empty(device="cuda")
+    except (ValueError, AssertionError, RuntimeError) as err:
+        errors["to_empty"] = str(err)
+    try:
+        torch.ops.aten.empty_like.default(tp[0].weight, device=torch.device("cuda"))
+    except ValueError as err:
+        errors["empty_like"] = str(err)
+    out["errors"] = errors
+
+    x = torch.linspace(-1.0, 1.0, 12).reshape(2, 6)  # the same batch on every rank: averaged grads = local
+    for name, m in models.items():
+        m.to_empty(device="cpu")
+        sw_random.manual_seed(5)
+        for sub in m.modules():
+            if isinstance(sub, nn.Linear):
+                sub.reset_parameters()
+    out["after"] = {k: [layout(p) for p in m.parameters()] for k, m in models.items()}
+    out["buffer"] = layout(dm.pending)
+    # The same Linear layers initialized whole on one device after the same seed.
+    sw_random.manual_seed(5)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 6))
+    with sw_random.layout_independent():
+        for sub in ref:
+            sub.reset_parameters()
+    want = [p.detach() for p in ref.parameters()]
+    out["equal"] = {k: all(torch.equal(p.full_tensor(), w) for p, w in zip(m.parameters(), want)) for k, m in models.items()}
+    y = ref(x)
+    y.sum().backward()
+    ref_grads = [p.grad for p in ref.parameters()]
+    fits = {}
+    for name in ("fully_shard", "replicate"):
+        m = models[name]
+        got = m(x)
+        got.sum().backward()
+        fits[name] = torch.allclose(got, y, atol=1e-6) and all(
+            torch.allclose(p.grad.full_tensor(), g, atol=1e-6) for p, g in zip(m.parameters(), ref_grads))
+    out["train"] = fits
+    return out
+
+
+def test_meta_tensors_stay_meta_and_to_empty_gives_each_rank_its_block(dist):
+    results = dist.run(4, _meta_apis, 0, timeout=180)
+    for rank, r in enumerate(results):
+        rows = 1 if rank == 3 else 3  # torch.chunk of 10 rows over 4 ranks: 3, 3, 3, 1
+        shapes = [s for _, s, _ in r["distribute_tensor"]]
+        assert all(d == "meta" for d, _, _ in r["distribute_tensor"])
+        assert shapes == [(rows, 6), (10, 6), (10, 6)], shapes
+        assert r["from_local"][:2] == ("meta", (3, 6))
+        cols = 2 if rank < 3 else 0  # 6 columns over 4 ranks: 2, 2, 2, 0
+        assert r["factories"] == [("meta", (10, cols), r["factories"][0][2])] * 5
+        assert r["full"][:2] == ("meta", (rows, 6))
+        assert r["random_unmoved"], "meta random factories consumed random numbers"
+        assert r["meta_comms"] == 0, "building on meta communicated"
+        for name, params in r["meta"].items():
+            assert all(d == "meta" for d, _, _ in params), (name, params)
+            assert [p for _, _, p in params] == [p for _, _, p in r["after"][name]], f"{name}: placements changed"
+            assert all(d == "cpu" for d, _, _ in r["after"][name]), (name, r["after"][name])
+            assert [s for _, s, _ in params] == [s for _, s, _ in r["after"][name]], f"{name}: block shapes changed"
+        assert r["buffer"] == ("cpu", (6,), r["buffer"][2]) and "Partial" in str(r["buffer"][2]), r["buffer"]
+        assert "meta device" in r["errors"]["fully_shard"] and "'1.weight'" in r["errors"]["fully_shard"]
+        assert "meta device" in r["errors"]["replicate"]
+        assert "device='cuda'" in r["errors"]["empty_like"] and "mesh(dim0=4)" in r["errors"]["empty_like"]
+        assert r["errors"]["to_empty"] in (r["errors"]["empty_like"], "Torch not compiled with CUDA enabled")
+        assert all(r["equal"].values()), r["equal"]
+        assert all(r["train"].values()), r["train"]
