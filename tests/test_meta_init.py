@@ -193,3 +193,55 @@ def test_meta_tensors_stay_meta_and_to_empty_gives_each_rank_its_block(dist):
         assert r["errors"]["to_empty"] in (r["errors"]["empty_like"], "Torch not compiled with CUDA enabled")
         assert all(r["equal"].values()), r["equal"]
         assert all(r["train"].values()), r["train"]
+
+
+# ---------------------------------------------------------------------- the trainer
+DEBUG = ["--config", "debug", "--steps", "5", "--global-batch", "4", "--seq-len", "32", "--lr", "3e-3",
+         "--warmup", "2", "--seed", "3", "--log-every", "1000"]
+
+
+def _built_on_meta(job, runtime):
+    """The debug model built on meta, parallelized, then ``to_empty`` + ``init_weights``."""
+    from shardwise import random as sw_random
+    from shardwise.train.model import Transformer
+    from shardwise.train.parallelize import ParallelOptions, parallelize_llama
+
+    sw_random.manual_seed(job.seed)
+    with torch.device("meta"):
+        model = Transformer(job.model_args())
+    parallelize_llama(model, runtime.dims, runtime.world_mesh, ParallelOptions())
+    assert all(p.is_meta for p in model.parameters()), "a parameter was allocated before to_empty"
+    model.to_empty(device=runtime.device)
+    model.init_weights()
+    return model
+
+
+def _built_whole(job, runtime):
+    """The debug model built whole on one device (no meta, no parallelism)."""
+    from shardwise import random as sw_random
+    from shardwise.train.model import Transformer
+
+    sw_random.manual_seed(job.seed)
+    return Transformer(job.model_args())
+
+
+def _train_with(build, argv: list[str]) -> list[float]:
+    """The trainer's own loop with ``build`` as its model builder (restored afterwards)."""
+    from shardwise.train import trainer
+
+    saved = trainer.build_model
+    trainer.build_model = build
+    try:
+        job = cli.job_from_argv(argv)
+        return trainer.train(job, trainer.Runtime.create(job)).losses
+    finally:
+        trainer.build_model = saved
+
+
+def test_debug_config_initialized_on_meta_gives_the_one_process_losses(dist):
+    want = _train_with(_built_whole, DEBUG)
+    per_rank = dist.run(4, _train_with, _built_on_meta, DEBUG + ["--nproc", "4", "--dp-shard", "2", "--tp", "2"],
+                        timeout=240)
+    assert len(want) == 5 and all(r == per_rank[0] for r in per_rank)
+    worst = max(abs(g - w) / abs(w) for g, w in zip(per_rank[0], want))
+    assert worst < 1e-5, f"meta-initialized FSDP+TP losses {per_rank[0]} differ from one process {want}"
