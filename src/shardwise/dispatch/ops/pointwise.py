@@ -132,12 +132,14 @@ def like_candidates(schema: OpSchema) -> list[Candidate]:
 
 @register_custom_handler(aten.empty_like.default)
 def empty_like(op: Any, args: tuple, kwargs: dict) -> Any:
-    """Uninitialized blocks of the same layout, Partial included (what ``module.to_empty`` uses).
+    """Uninitialized blocks of the same layout; with ``device=`` (what ``module.to_empty`` passes) exactly.
 
-    Undefined values lose nothing by staying pending, so the placements are kept exactly and a
-    buffer that was Partial before ``to_empty`` is Partial after it. ``device`` may move the
-    blocks between the mesh's device and "meta"; any other device raises before anything is
-    allocated (every rank calls it alike, so every rank raises).
+    Without ``device`` it acts like the other ``*_like`` factories (Partial becomes Replicate:
+    code that fills the result expects a plain value). With ``device`` it is a move of storage:
+    undefined values lose nothing by staying pending, so the placements are kept exactly and a
+    buffer that was Partial before ``to_empty`` is Partial after it. ``device`` may be the
+    mesh's device type or "meta"; any other raises before anything is allocated (every rank
+    calls it alike, so every rank raises).
     """
     from shardwise.dtensor import DTensor
 
@@ -152,5 +154,6 @@ def empty_like(op: Any, args: tuple, kwargs: dict) -> Any:
     options = {k: v for k, v in kwargs.items() if k != "device"}
     whole = torch.empty_like(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"), **options)
     local = torch.empty_like(x._local_tensor, **kwargs)
-    out = DTensorSpec(spec.mesh, spec.placements, TensorMeta(whole.shape, whole.stride(), whole.dtype))
+    placements = spec.placements if device is not None else tuple(_unpartial(p) for p in spec.placements)
+    out = DTensorSpec(spec.mesh, placements, TensorMeta(whole.shape, whole.stride(), whole.dtype))
     return DTensor(local, out, requires_grad=False)
