@@ -157,7 +157,8 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None, bucket_cap_m
     plain tensors; backward all_reduces gradient buckets of up to ``bucket_cap_mb`` megabytes
     (walking the parameters from last to first), averaged over the mesh, into ``param.grad``
     (Replicate DTensors). Gradients accumulate over several backward passes. A parameter no
-    rank used gets a zero gradient (it shares a bucket with others).
+    rank used gets a zero gradient (it shares a bucket with others). Meta parameters stay meta
+    (nothing is broadcast) until ``module.to_empty(device=...)`` and an initialization.
 
     Args:
         module: the module (changed in place and returned).
