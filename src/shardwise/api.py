@@ -61,6 +61,9 @@ def distribute_tensor(
             the others by scatter (Shard axes) and broadcast (Replicate/Partial axes), axis by
             axis. None: every rank already holds the data, nothing is sent.
 
+    A meta ``tensor`` gives a meta DTensor: each rank's block is a meta tensor of its block's
+    shape, nothing is allocated or sent (``module.to_empty`` later gives the blocks storage).
+
     Returns:
         A leaf DTensor with ``requires_grad`` of ``tensor``.
 
@@ -73,7 +76,7 @@ def distribute_tensor(
             "use .redistribute() to change its layout"
         )
     mesh, placements = _layout(device_mesh, placements, tensor.device.type, "distribute_tensor")
-    if tensor.device.type != mesh.device_type:
+    if not tensor.is_meta and tensor.device.type != mesh.device_type:
         tensor = tensor.to(mesh.device_type)
     spec = DTensorSpec(mesh, placements, TensorMeta.of(tensor))
     with torch.no_grad():
@@ -92,7 +95,8 @@ def _local_block(tensor: torch.Tensor, spec: DTensorSpec, src: int | None) -> to
     local = tensor
     for axis, placement in enumerate(spec.placements):
         # Ranks whose later coordinates equal the source's hold the data once this axis is done.
-        active = src is not None and all(c == src for c in coordinate[axis + 1 :])
+        # A meta tensor has no data to send: every rank cuts its (meta) block, nothing is allocated.
+        active = src is not None and not tensor.is_meta and all(c == src for c in coordinate[axis + 1 :])
         local = _place_axis(local, mesh, axis, placement, active, src)
     for axis, placement in enumerate(spec.placements):
         if isinstance(placement, Partial):
@@ -128,6 +132,7 @@ def _make(
     placements: Sequence[Placement] | None = None,
     dtype: torch.dtype | None = None,
     requires_grad: bool = False,
+    device: torch.device | str | None = None,
 ) -> DTensor:
     """A DTensor of global ``size`` whose blocks come from ``fill``; Partial axes hold contributions."""
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
@@ -137,12 +142,29 @@ def _make(
     dtype = dtype or torch.get_default_dtype()
     spec = DTensorSpec(mesh, layout, TensorMeta(shape, contiguous_stride(shape), dtype))
     local_shape, offset = spec.local_shape_and_offset()
-    local = fill(tuple(shape), local_shape, offset, {"dtype": dtype, "device": _device(mesh)})
+    options = {"dtype": dtype, "device": _block_device(mesh, device, what)}
+    if options["device"].type == "meta":  # shapes only: no values, no random counters consumed
+        local = torch.empty(local_shape, **options)
+    else:
+        local = fill(tuple(shape), local_shape, offset, options)
     coordinate = mesh.get_coordinate()
     for axis, placement in enumerate(layout):
         if isinstance(placement, Partial) and coordinate is not None:
             local = placement.partition_value(local, coordinate[axis])
     return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def _block_device(mesh: DeviceMesh, device: torch.device | str | None, what: str) -> torch.device:
+    """Where the blocks live: the mesh's device, or "meta" (shapes only, nothing allocated)."""
+    if device is None:
+        return _device(mesh)
+    device = torch.device(device)
+    if device.type == "meta":
+        return device
+    if device.type != mesh.device_type:
+        raise ValueError(f"{what}: device={str(device)!r} is not covered by {mesh} (its ranks hold "
+                         f"{mesh.device_type} tensors); pass device='meta' or leave device unset")
+    return _device(mesh) if device.index is None else device
 
 
 def _device(mesh: DeviceMesh) -> torch.device:
@@ -171,7 +193,8 @@ def zeros(*size, **layout) -> DTensor:
     """A DTensor of global ``size`` filled with 0; each rank allocates only its block.
 
     Keywords: ``device_mesh``, ``placements`` (default: world mesh, Replicate), ``dtype``,
-    ``requires_grad``.
+    ``requires_grad``, ``device`` (default: the mesh's; ``"meta"`` gives meta blocks of the
+    right shapes, allocating nothing, for a model initialized after ``to_empty``).
 
     Example:
         >>> zeros(8, 4, device_mesh=mesh, placements=[Shard(0)])

@@ -53,10 +53,12 @@ Example:
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
     from shardwise.spec import DTensorSpec
@@ -66,6 +68,7 @@ __all__ = [
     "bernoulli",
     "draw",
     "get_rng_state",
+    "layout_independent",
     "manual_seed",
     "mix64",
     "next_offset",
@@ -227,25 +230,44 @@ def _generate(
     words: int,
     dtype: torch.dtype,
     device: torch.device | str | None,
+    out: torch.Tensor | None = None,
+    scale: float | None = None,
+    shift: float | None = None,
 ) -> torch.Tensor:
     """Apply ``convert(*words)`` to the random words of the block, chunk by chunk.
 
     On CPU, chunks of ``_CPU_CHUNK`` elements keep the int64 temporaries in cache (about twice
     as fast as whole-block passes on 1M elements); on accelerators one pass does it all.
+    ``scale`` then ``shift``, if given, are applied in ``dtype`` after the values are rounded to
+    it (the same arithmetic as ``block * scale + shift`` on the whole block). With ``out`` (a
+    contiguous tensor of the block's shape and ``dtype``) the values are written straight into
+    it: an initialization then needs no temporary the size of the block.
     """
     _check_block(global_shape, block_offset, block_shape)
-    out = torch.empty(tuple(block_shape), dtype=dtype, device=device)
-    flat, done = out.view(-1), 0
-    limit = _CPU_CHUNK if out.device.type == "cpu" else max(out.numel(), 1)
+    if out is None or not out.is_contiguous() or out.dtype != dtype or tuple(out.shape) != tuple(block_shape):
+        target = torch.empty(tuple(block_shape), dtype=dtype, device=device if out is None else out.device)
+    else:
+        target = out
+    flat, done = target.view(-1), 0
+    limit = _CPU_CHUNK if target.device.type == "cpu" else max(target.numel(), 1)
     for sub_offset, sub_shape in _chunks(block_offset, block_shape, limit):
         bits = [
-            random_bits(global_shape, sub_offset, sub_shape, seed=seed, offset=offset, words=words, word=j, device=device)
+            random_bits(global_shape, sub_offset, sub_shape, seed=seed, offset=offset, words=words, word=j,
+                        device=target.device)
             for j in range(words)
         ]
         count = math.prod(sub_shape)
-        flat[done : done + count] = convert(*bits).reshape(-1)
+        values = convert(*bits).reshape(-1).to(dtype)
+        if scale is not None:
+            values.mul_(scale)
+        if shift is not None:
+            values.add_(shift)
+        flat[done : done + count] = values
         done += count
-    return out
+    if out is not None and target is not out:
+        out.copy_(target)
+        return out
+    return target
 
 
 def _significand_bits(dtype: torch.dtype) -> int:
@@ -264,8 +286,11 @@ def uniform(
     offset: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    **into: Any,
 ) -> torch.Tensor:
     """Uniform [0, 1) values of one block of a global random tensor (see the module docstring).
+
+    ``into``: ``out``, ``scale``, ``shift`` as for ``draw``.
 
     Example:
         >>> uniform((10,), (4,), (3,), seed=0, offset=0)  # elements 4, 5, 6 of the whole
@@ -277,7 +302,7 @@ def uniform(
         return _top_bits_(words, bits).to(work).mul_(2.0 ** -bits)
 
     args = (global_shape, block_offset, block_shape)
-    return _generate(convert, *args, seed=seed, offset=offset, words=1, dtype=dtype, device=device)
+    return _generate(convert, *args, seed=seed, offset=offset, words=1, dtype=dtype, device=device, **into)
 
 
 def _box_muller_f64(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -303,13 +328,14 @@ def normal(
     offset: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    **into: Any,
 ) -> torch.Tensor:
     """Standard normal values of one block (Box-Muller; two words per element for float64)."""
     _significand_bits(dtype)
     wide = dtype == torch.float64
     convert, words = (_box_muller_f64, 2) if wide else (_box_muller_f32, 1)
     args = (global_shape, block_offset, block_shape)
-    return _generate(convert, *args, seed=seed, offset=offset, words=words, dtype=dtype, device=device)
+    return _generate(convert, *args, seed=seed, offset=offset, words=words, dtype=dtype, device=device, **into)
 
 
 def bernoulli(
@@ -424,12 +450,17 @@ def draw(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     p: float | torch.Tensor = 0.5,
+    out: torch.Tensor | None = None,
+    scale: float | None = None,
+    shift: float | None = None,
 ) -> torch.Tensor:
     """One block of a fresh global random tensor from the process's stream.
 
     Consumes the counters of the WHOLE tensor, so call it on every rank, also on ranks that
     hold an empty block. ``kind``: "uniform", "normal" or "bernoulli" (probability ``p``;
-    dtype defaults to bool there and to the default float dtype otherwise).
+    dtype defaults to bool there and to the default float dtype otherwise). For uniform and
+    normal, ``scale`` and ``shift`` give ``values * scale + shift`` (in ``dtype``) and ``out``
+    receives them in place (the block's tensor, e.g. a parameter being initialized).
     """
     dtype = dtype or (torch.bool if kind == "bernoulli" else torch.get_default_dtype())
     numel = math.prod(global_shape)
@@ -438,23 +469,91 @@ def draw(
     if kind == "bernoulli":
         return bernoulli(p, global_shape, block_offset, block_shape, **options)
     generate = uniform if kind == "uniform" else normal
-    return generate(global_shape, block_offset, block_shape, **options)
+    return generate(global_shape, block_offset, block_shape, **options, out=out, scale=scale, shift=shift)
 
 
-def random_block(kind: str, spec: DTensorSpec, *, p: float | torch.Tensor = 0.5) -> torch.Tensor:
+def random_block(
+    kind: str, spec: DTensorSpec, *, p: float | torch.Tensor = 0.5,
+    out: torch.Tensor | None = None, scale: float | None = None, shift: float | None = None,
+) -> torch.Tensor:
     """This rank's local tensor of a random DTensor with ``spec`` (a ``DTensorSpec``).
 
     Shard axes cut the block; on Partial axes the value sits on axis-rank 0 for sum (zeros
     elsewhere) and everywhere for avg/max/min, so the reduction gives the random value back.
-    Bernoulli blocks take the spec's dtype too.
+    Bernoulli blocks take the spec's dtype too. ``out``, ``scale``, ``shift``: as for ``draw``
+    (``out`` is this rank's block of a DTensor being filled in place).
     """
     local_shape, local_offset = spec.local_shape_and_offset()
     mesh = spec.mesh
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else mesh.device_type
-    local = draw(kind, tuple(spec.shape), local_offset, local_shape, dtype=spec.dtype, device=device, p=p)
+    extra = {"out": out, "scale": scale, "shift": shift} if kind != "bernoulli" else {}
+    local = draw(kind, tuple(spec.shape), local_offset, local_shape, dtype=spec.dtype, device=device, p=p, **extra)
     coordinate = mesh.get_coordinate()
     if coordinate is not None:
         for axis, placement in enumerate(spec.placements):
             if placement.is_partial():
                 local = placement.partition_value(local, coordinate[axis])
+    if out is not None and local is not out:
+        out.copy_(local)
+        return out
     return local
+
+
+# ---------------------------------------------------------------------- plain tensors
+class _PlainFills(TorchDispatchMode):
+    """Routes ``uniform_`` / ``normal_`` on plain tensors to the stream; everything else passes.
+
+    A plain tensor is taken as a whole global tensor (its block is all of it), so it receives
+    exactly the values a DTensor of the same global shape receives, whatever its layout. Meta
+    tensors have no values: they are left alone and consume no counters, as torch's generator
+    does not advance for meta tensors either.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        fill = _PLAIN_FILLS.get(func)
+        target = args[0] if args else None
+        if fill is None or type(target) not in (torch.Tensor, torch.nn.Parameter):
+            return func(*args, **kwargs)
+        if target.is_meta:
+            return target
+        return fill(target, *args[1:], **kwargs)
+
+
+def _fill_uniform_(t: torch.Tensor, low: float = 0.0, high: float = 1.0, *, generator: Any = None, **kw: Any) -> torch.Tensor:
+    low, high = kw.get("from", low), kw.get("to", high)
+    shape = tuple(t.shape)  # the same arithmetic as a DTensor's uniform_, written in place
+    return draw("uniform", shape, (0,) * len(shape), shape, dtype=t.dtype, device=t.device,
+                out=t, scale=high - low, shift=low)
+
+
+def _fill_normal_(t: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: Any = None) -> torch.Tensor:
+    shape = tuple(t.shape)  # the same arithmetic as a DTensor's normal_, written in place
+    return draw("normal", shape, (0,) * len(shape), shape, dtype=t.dtype, device=t.device,
+                out=t, scale=std, shift=mean)
+
+
+_PLAIN_FILLS: dict[Any, Callable[..., torch.Tensor]] = {
+    torch.ops.aten.uniform_.default: _fill_uniform_,
+    torch.ops.aten.normal_.default: _fill_normal_,
+}
+
+
+@contextmanager
+def layout_independent() -> Iterator[None]:
+    """Inside, plain tensors' random fills draw from shardwise's stream, as DTensors' do.
+
+    ``uniform_`` and ``normal_`` (what ``nn.init`` uses: ``normal_``, ``uniform_``,
+    ``trunc_normal_``, the Kaiming and Xavier inits) on a plain tensor give the values a
+    DTensor of the same global shape gets from the same stream position. So a model
+    initialized whole on one device and the same model initialized after sharding (built on
+    the meta device, parallelized, ``to_empty``) hold equal parameters given the same seed
+    and the same order of fills. Meta tensors are skipped and consume no counters.
+
+    Example:
+        >>> manual_seed(0)
+        >>> with layout_independent():
+        ...     model.init_weights()          # one device, or every rank of a sharded model
+    """
+    with _PlainFills():
+        yield

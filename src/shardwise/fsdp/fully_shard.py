@@ -35,6 +35,17 @@ class FSDPModule:
         """Free this module's gathered parameters."""
         state_of(self).group.reshard()
 
+    def _apply(self, fn, recurse: bool = True):
+        """``to_empty`` / ``.to`` / ``.cuda``: move the shards, then rebuild the gathered storage on their device.
+
+        A model built on the meta device and fully_shard'ed holds meta shards; after
+        ``to_empty(device=...)`` every rank owns real storage of its shards only, in the same
+        layout, ready for ``init_weights()``.
+        """
+        module = super()._apply(fn, recurse)
+        state_of(self).follow_parameters()
+        return module
+
 
 _FSDP_CLASSES: dict[type, type] = {}
 
@@ -52,7 +63,11 @@ def fully_shard(
     data-parallel axis (``[Replicate(), Shard(0)]`` on a 2-D HSDP mesh). Uneven dim-0 sizes
     follow ``torch.chunk``: trailing ranks may hold fewer rows or none. The shards are cut
     locally from the parameter every rank holds, so every rank must start from the same values
-    (seed before building the model), as with torch's ``fully_shard``.
+    (seed before building the model), as with torch's ``fully_shard``. A module built on the
+    meta device stays meta (shards are meta tensors, nothing is allocated or sent); then
+    ``module.to_empty(device=...)`` gives each rank storage for its shards only, in the same
+    layout, and ``init_weights()`` / ``reset_parameters()`` fill them (forward before that
+    raises, naming the parameter).
 
     A parameter that is already a DTensor on another sub-mesh of the same root (tensor
     parallel, e.g. ``mesh2d["tp"]``) keeps its layout: it becomes a DTensor on the combined

@@ -47,12 +47,16 @@ class FSDPParam:
         padded_rows = -(-self.block_shape[0] // dp.world)
         self.padded_shape = (dp.world * padded_rows, *self.block_shape[1:])
         self.sharded = self._make_sharded(param, block, dp)
-        self.unsharded = self._make_unsharded(block, compute_dtype)
+        self.is_allocated = False
+        self._set_unsharded(block, compute_dtype)
+        owners.param = self.sharded  # drop the whole original tensor: only the shard stays alive
+
+    def _set_unsharded(self, like: torch.Tensor, dtype: torch.dtype) -> None:
+        """(Re)create the unsharded parameter on ``like``'s device, its storage released."""
+        self.unsharded = self._make_unsharded(like, dtype)
         self._local = self.unsharded._local_tensor if self.inner_spec else self.unsharded
         self._nbytes = self._local.untyped_storage().nbytes()
         self._local.untyped_storage().resize_(0)
-        self.is_allocated = False
-        owners.param = self.sharded  # drop the whole original tensor: only the shard stays alive
 
     # ------------------------------------------------------------------ construction
     def _make_sharded(self, param: nn.Parameter, block: torch.Tensor, dp: DataParallelMesh) -> nn.Parameter:
@@ -69,7 +73,7 @@ class FSDPParam:
         return sharded
 
     def _make_unsharded(self, block: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
-        """A leaf over padded storage (its first ``rows`` rows); a DTensor on the TP mesh if inner."""
+        """A leaf over padded storage on ``block``'s device (its first ``rows`` rows); a DTensor on the TP mesh if inner."""
         padded = torch.empty(self.padded_shape, dtype=dtype, device=block.device)
         view = padded.narrow(0, 0, self.block_shape[0])
         if self.inner_spec is None:
@@ -96,6 +100,34 @@ class FSDPParam:
             new.allocate()
             new.padded_writer().copy_(self.padded_writer())
         return new
+
+    # ------------------------------------------------------------------ moves
+    def follow_module(self) -> bool:
+        """Catch up after ``module.to_empty`` / ``.to(device)`` replaced or moved the sharded parameter.
+
+        The module's attribute is the truth: its (moved) DTensor becomes ``sharded``, and the
+        unsharded parameter is rebuilt on the new device when it changed (its storage stays
+        released). Returns True when the unsharded parameter is a new tensor (hooks on the old
+        one must be registered again).
+        """
+        module, attr = self.owners.slots[0]
+        current = module._parameters[attr]
+        if current is not self.sharded and isinstance(current, DTensor):
+            self.sharded = current
+            self.owners.param = current
+            self.owners.register(current)  # every tied name, too
+        setattr(self.sharded, MANAGED_ATTR, True)  # swap_tensors may have moved the attribute away
+        shard = self.sharded._local_tensor
+        if self._local.device == shard.device:
+            return False
+        self.free()
+        self._set_unsharded(shard, self.unsharded.dtype)
+        return True
+
+    @property
+    def is_meta(self) -> bool:
+        """Whether the sharded parameter has no data yet (built on the meta device)."""
+        return self.sharded._local_tensor.is_meta
 
     # ------------------------------------------------------------------ storage
     def local_shard(self) -> torch.Tensor:

@@ -54,6 +54,21 @@ class ReplicatedParam:
         memo[id(self.local)] = new.local
         return new
 
+    def follow_module(self) -> bool:
+        """Catch up after ``to_empty`` / ``.to``: adopt the module's (moved) DTensor; a new ``local``
+        leaf when the block changed device (True: its gradient hook must be registered again)."""
+        module, attr = self.owners.slots[0]
+        current = module._parameters[attr]
+        if current is not self.replicated and current is not self.local and isinstance(current, DTensor):
+            self.replicated = current
+            self.owners.param = current
+        setattr(self.replicated, MANAGED_ATTR, True)
+        block = self.replicated._local_tensor
+        if self.local.device == block.device:
+            return False
+        self.local = nn.Parameter(block, requires_grad=self.local.requires_grad)
+        return True
+
     def use_local(self) -> None:
         if self.local.data_ptr() != self.replicated._local_tensor.data_ptr():
             self.local.data = self.replicated._local_tensor  # the optimizer replaced the block
@@ -106,11 +121,21 @@ class ReplicateState:
 
     def _install_grad_hooks(self) -> None:
         for i, p in enumerate(self.params):
-            if p.local.requires_grad:
-                p.local.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
+            self._hook_grad(i, p)
+
+    def _hook_grad(self, i: int, p: ReplicatedParam) -> None:
+        if p.local.requires_grad:
+            p.local.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
-        for p in self.params:
+        for i, p in enumerate(self.params):
+            if p.local.device != p.replicated._local_tensor.device and p.follow_module():
+                self._hook_grad(i, p)  # moved by to_empty / .to since the last forward
+            if p.local.is_meta:
+                raise RuntimeError(
+                    f"replicate({type(module).__name__}): parameter {p.owners.fqn!r} is on the meta device "
+                    "(no data); call module.to_empty(device=...) and initialize it before forward"
+                )
             p.use_local()
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -156,7 +181,8 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None, bucket_cap_m
     plain tensors; backward all_reduces gradient buckets of up to ``bucket_cap_mb`` megabytes
     (walking the parameters from last to first), averaged over the mesh, into ``param.grad``
     (Replicate DTensors). Gradients accumulate over several backward passes. A parameter no
-    rank used gets a zero gradient (it shares a bucket with others).
+    rank used gets a zero gradient (it shares a bucket with others). Meta parameters stay meta
+    (nothing is broadcast) until ``module.to_empty(device=...)`` and an initialization.
 
     Args:
         module: the module (changed in place and returned).

@@ -79,8 +79,28 @@ class FSDPState:
 
     def _install_grad_hooks(self) -> None:
         for p in self.group.params:
-            if p.requires_grad:
-                self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+            self._hook_grad(p)
+
+    def _hook_grad(self, p: Any) -> None:
+        if p.requires_grad:
+            self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def follow_parameters(self) -> None:
+        """After ``module._apply`` (``to_empty``, ``.to``): adopt the moved shards, rebuild gathered storage."""
+        self.group.reshard()
+        for p in self.group.params:
+            if p.follow_module():
+                self._hook_grad(p)
+
+    def _check_materialized(self) -> None:
+        """Forward needs data: a parameter still on the meta device is named, on every rank alike."""
+        for p in self.group.params:
+            if p.is_meta:
+                raise RuntimeError(
+                    f"fully_shard({self.label}): parameter {p.fqn!r} is on the meta device (no data); "
+                    "call module.to_empty(device=...) and initialize it (init_weights() / reset_parameters()) "
+                    "before forward"
+                )
 
     def _lazy_init(self) -> None:
         """The first module to run forward without a root is the root of every state below it."""
@@ -92,6 +112,7 @@ class FSDPState:
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._check_materialized()
         self._lazy_init()
         self.group.unshard()
         self.group.use_unsharded()

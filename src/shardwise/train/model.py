@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.random import layout_independent
 from shardwise.train.config import ModelArgs
 
 __all__ = ["Attention", "FeedForward", "TransformerBlock", "Transformer", "rotary_table", "apply_rotary"]
@@ -142,18 +143,28 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not a parameter and not saved: every rank recomputes it, whatever the layout.
-        self.register_buffer("rotary", rotary_table(args.head_dim, args.max_seq_len, args.rope_theta),
-                             persistent=False)
+        self.register_buffer("rotary", torch.empty(args.max_seq_len, args.head_dim // 2, 2), persistent=False)
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Draw every parameter from the current torch RNG (seed it first for reproducibility)."""
-        nn.init.normal_(self.tok_embeddings.weight)
-        for block in self.layers.values():
-            block.init_weights()
-        self.norm.reset_parameters()
-        cutoff = 3 / math.sqrt(self.args.dim)
-        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim ** -0.5, a=-cutoff, b=cutoff)
+        """Draw every parameter from shardwise's layout-independent stream; recompute the rotary table.
+
+        Seed with ``torch.manual_seed`` / ``shardwise.random.manual_seed`` on every rank first.
+        The values depend on the seed only, not on the layout: the model built whole on one
+        device and the same model built on the meta device, parallelized (TP, FSDP, both),
+        ``to_empty``'d and initialized here hold the same parameters (every rank draws only its
+        own blocks). On the meta device nothing is drawn and no random numbers are consumed.
+        """
+        with torch.no_grad(), layout_independent():
+            nn.init.normal_(self.tok_embeddings.weight)
+            for block in self.layers.values():
+                block.init_weights()
+            self.norm.reset_parameters()
+            cutoff = 3 / math.sqrt(self.args.dim)
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim ** -0.5, a=-cutoff, b=cutoff)
+        # A plain buffer every rank holds whole: to_empty left it uninitialized.
+        table = rotary_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        self.register_buffer("rotary", table.to(self.rotary.device), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [bs, seqlen, vocab] for token ids [bs, seqlen]."""

@@ -9,9 +9,12 @@
 
 The order matters: FSDP shards whatever parameters it finds, so it must come after TP has
 turned them into tp-sharded DTensors (FSDP then adds its own axis), and after checkpointing
-has wrapped the blocks FSDP will treat as units. The model is fully initialized on every rank
-with the same seed before this runs; sharding only cuts the same values, so every layout starts
-from the weights of the single-device run.
+has wrapped the blocks FSDP will treat as units.
+
+``build_llama`` builds the model on the meta device (shapes only), parallelizes it, then gives
+each rank storage for its own blocks (``to_empty``) and initializes them (``init_weights``,
+layout-independent random numbers): no rank ever holds more than its shards, and every layout
+starts from the weights of the single-device run with the same seed.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 from shardwise.parallel.parallel_dims import ParallelDims
+from shardwise.train.config import ModelArgs
+from shardwise.train.model import Transformer
 
-__all__ = ["ParallelAPI", "shardwise_api", "ParallelOptions", "parallelize_llama", "tp_plans", "apply_tp",
-           "apply_ac", "apply_fsdp", "apply_ddp"]
+__all__ = ["ParallelAPI", "shardwise_api", "ParallelOptions", "parallelize_llama", "build_llama", "tp_plans",
+           "apply_tp", "apply_ac", "apply_fsdp", "apply_ddp"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,33 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, world_mesh, options:
         apply_fsdp(model, world_mesh[axes], options.mixed_precision, api)
     elif dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"], api)
+    return model
+
+
+def build_llama(args: ModelArgs, dims: ParallelDims, world_mesh, options: ParallelOptions,
+                device: torch.device | str, *, materialize: bool = True) -> nn.Module:
+    """A parallelized ``Transformer`` that no rank ever held whole: meta -> parallelize -> to_empty -> init.
+
+    Seed first (``shardwise.random.manual_seed``, the same on every rank): the parameters then
+    equal those of ``Transformer(args)`` built on one device after the same seed.
+
+    Args:
+        args: the model shapes.
+        dims, world_mesh, options: as for ``parallelize_llama``.
+        device: where each rank's blocks live (the mesh's device type).
+        materialize: False stops after parallelizing: every parameter is a meta tensor (or a
+            DTensor of meta blocks) of its final layout, nothing allocated.
+
+    Example:
+        >>> shardwise.random.manual_seed(0)
+        >>> model = build_llama(CONFIGS["debug"], dims, dims.build_mesh(), ParallelOptions(), "cpu")
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize_llama(model, dims, world_mesh, options)
+    if materialize:
+        model.to_empty(device=device)
+        model.init_weights()
     return model
 
 

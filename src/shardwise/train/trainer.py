@@ -4,7 +4,8 @@
 started without a launcher). Steps:
 
 1. ``Runtime``: process group (gloo on CPU, nccl on CUDA) and the world mesh from the degrees.
-2. The model, built whole on every rank from the same seed, then ``parallelize_llama``.
+2. The model, built on the meta device, parallelized, then each rank initializes only its
+   blocks from the job's seed (``build_llama``): the weights of the one-process run.
 3. AdamW with linear warmup and cosine decay over ``--steps``; the data position is the step
    counter. With ``--resume``, the latest checkpoint's model, optimizer, schedule and step are
    loaded into this job's layout (``checkpointing.py``).
@@ -39,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise import comm
+from shardwise import random as sw_random
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.clip_grad import clip_grad_norm_
 from shardwise.failfast import interrupt_context
@@ -48,8 +50,7 @@ from shardwise.train.checkpointing import Checkpointer, TrainState, latest_check
 from shardwise.train.config import ConfigError, JobConfig, params_label
 from shardwise.train.data import BatchSource, load_corpus
 from shardwise.train.metrics import RunMetrics
-from shardwise.train.model import Transformer
-from shardwise.train.parallelize import ParallelOptions, fsdp_applies_mixed_precision, parallelize_llama
+from shardwise.train.parallelize import ParallelOptions, build_llama, fsdp_applies_mixed_precision
 from shardwise.train.plot import write_loss_plot
 
 __all__ = ["Runtime", "resolve_device", "run_job", "train", "lr_factor", "build_model", "loss_fn",
@@ -180,13 +181,15 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 def build_model(job: JobConfig, runtime: Runtime) -> torch.nn.Module:
-    """The whole model from ``job.seed`` on every rank, then parallelized for the layout."""
-    torch.manual_seed(job.seed)
-    with runtime.device:
-        model = Transformer(job.model_args())
+    """The model from ``job.seed``, built on meta, parallelized, then each rank initializes its blocks.
+
+    The parameters equal those of ``Transformer`` built whole on one device from the same seed
+    (``build_llama``), and no rank ever allocates more than its own shards.
+    """
+    sw_random.manual_seed(job.seed)
     options = ParallelOptions(job.sequence_parallel, job.loss_parallel,
                               job.activation_checkpointing, job.mixed_precision)
-    return parallelize_llama(model, runtime.dims, runtime.world_mesh, options)
+    return build_llama(job.model_args(), runtime.dims, runtime.world_mesh, options, runtime.device)
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

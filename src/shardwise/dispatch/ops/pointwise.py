@@ -32,10 +32,10 @@ from typing import Any, Callable
 import torch
 
 from shardwise.dispatch.ops._common import R, aten, aten_ops_tagged, broadcast_dim, num_tensor_outputs, tensor_shapes
-from shardwise.dispatch.registry import register_strategy, scalars_matter_by_sign_only
+from shardwise.dispatch.registry import register_custom_handler, register_strategy, scalars_matter_by_sign_only
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
 from shardwise.placement import Partial, Placement, Shard
-from shardwise.spec import DTensorSpec
+from shardwise.spec import DTensorSpec, TensorMeta
 
 _FLIP = {"max": "min", "min": "max"}
 # Ops whose value is the same kind of reduction of the inputs' contributions, with each
@@ -259,9 +259,37 @@ def _unpartial(p: Placement) -> Placement:
     return R if p.is_partial() else p
 
 
-@register_strategy(aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-                   aten.full_like.default, per_axis=False)
+@register_strategy(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, per_axis=False)
 def like_candidates(schema: OpSchema) -> list[Candidate]:
     """``*_like`` factories read no values: keep the layout, Partial becomes Replicate."""
     spec = schema.specs[0]
     return [Candidate((None,), (tuple(_unpartial(p) for p in spec.placements),))]
+
+
+@register_custom_handler(aten.empty_like.default)
+def empty_like(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Uninitialized blocks of the same layout; with ``device=`` (what ``module.to_empty`` passes) exactly.
+
+    Without ``device`` it acts like the other ``*_like`` factories (Partial becomes Replicate:
+    code that fills the result expects a plain value). With ``device`` it is a move of storage:
+    undefined values lose nothing by staying pending, so the placements are kept exactly and a
+    buffer that was Partial before ``to_empty`` is Partial after it. ``device`` may be the
+    mesh's device type or "meta"; any other raises before anything is allocated (every rank
+    calls it alike, so every rank raises).
+    """
+    from shardwise.dtensor import DTensor
+
+    x = args[0]
+    spec = x._spec
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type not in ("meta", spec.mesh.device_type):
+        raise ValueError(
+            f"empty_like / to_empty: device={str(device)!r} is not covered by {spec.mesh}: its ranks hold "
+            f"{spec.mesh.device_type} blocks of {spec.render()}; use device={spec.mesh.device_type!r} (or 'meta')"
+        )
+    options = {k: v for k, v in kwargs.items() if k != "device"}
+    whole = torch.empty_like(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"), **options)
+    local = torch.empty_like(x._local_tensor, **kwargs)
+    placements = spec.placements if device is not None else tuple(_unpartial(p) for p in spec.placements)
+    out = DTensorSpec(spec.mesh, placements, TensorMeta(whole.shape, whole.stride(), whole.dtype))
+    return DTensor(local, out, requires_grad=False)

@@ -53,14 +53,14 @@ def native_dropout(op: Any, args: tuple, kwargs: dict) -> Any:
 def fill_random_(op: Any, args: tuple, kwargs: dict) -> Any:
     """In-place fills: the self tensor keeps its layout (Partial axes hold contributions)."""
     x = args[0]
+    local = x._local_tensor
     if op is aten.uniform_.default:
         low, high = _params(args, kwargs, ("from", "to"), (0.0, 1.0))
-        block = random_block("uniform", x._spec) * (high - low) + low
+        random_block("uniform", _whole(x._spec), out=local, scale=high - low, shift=low)  # written in place
     else:
         mean, std = _params(args, kwargs, ("mean", "std"), (0.0, 1.0))
-        block = random_block("normal", x._spec) * std + mean
-    _partition_like(block, x._spec)
-    x._local_tensor.copy_(block)
+        random_block("normal", _whole(x._spec), out=local, scale=std, shift=mean)
+    _partition_like(local, x._spec)
     return x
 
 
