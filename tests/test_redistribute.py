@@ -19,6 +19,7 @@ import shardwise as sw
 from shardwise import Partial, Replicate, Shard
 from shardwise.debug import CommDebugMode
 from shardwise.redistribute import plan_redistribute
+from shardwise.redistribute.execute import flattened_groups
 
 ALL = [Replicate(), Shard(0), Shard(1), Partial()]
 
@@ -32,15 +33,18 @@ def _covering_pairs(mesh_shape, shape):
     """Few pairs that together take every step of every pair's plan (greedy set cover).
 
     A pair's features: its source, its target, and each step of its plan with the layout it
-    starts from (what the executor's block sizes and groups depend on).
+    starts from (what the executor's block sizes and groups depend on), planned both without
+    flattened groups and with the whole world's (merged Partial reductions).
     """
     pairs = _all_pairs(mesh_shape)
     features = []
     for src, dst in pairs:
-        layout, feats = list(src), {("src", src), ("dst", dst)}
-        for step in plan_redistribute(shape, 8, mesh_shape, src, dst).steps:
-            feats.add((tuple(layout), step))
-            layout[step.axis] = step.dst
+        feats = {("src", src), ("dst", dst)}
+        for flattened in ((), (tuple(range(len(mesh_shape))),)):
+            layout = tuple(src)
+            for step in plan_redistribute(shape, 8, mesh_shape, src, dst, flattened).steps:
+                feats.add((layout, step))
+                layout = step.apply(layout)
         features.append(feats)
     chosen, covered = [], set()
     heap = [(-len(f), i) for i, f in enumerate(features)]
@@ -73,6 +77,8 @@ def _matrix(mesh_shape, shape, pairs):
         kinds = [r.kind for r in comms.records]
         results[(src, dst)] = (out.placements, out.to_local().clone(), offset, mesh.get_coordinate(), kinds,
                                [r.bytes_sent for r in comms.records])
+    # Which flattened groups the executor may use depends on the groups this pool created before.
+    results["flattened"] = flattened_groups(mesh)
     return results
 
 
@@ -92,15 +98,14 @@ def _reassemble(dst, per_rank):
 def _check(out, mesh_shape, shape):
     """Right placements and values; the busiest rank sent exactly what the plan promised."""
     x = _global(shape)
-    for (src, dst) in out[0]:
+    flattened = out[0]["flattened"]
+    for (src, dst) in (pair for pair in out[0] if pair != "flattened"):
         per_rank = [o[(src, dst)] for o in out]
         logical = torch.zeros_like(x)
         for index, local in _reassemble(dst, per_rank):
             logical[index] += local
         assert torch.allclose(logical, x), f"{src}->{dst}: wrong values"
         assert all(p[0] == dst for p in per_rank), f"{src}->{dst}: wrong placements"
-        # The mesh spans the world: Partials on all its axes reduce together over WORLD.
-        flattened = [tuple(range(len(mesh_shape)))] if len(mesh_shape) > 1 else []
         plan = plan_redistribute(shape, 8, mesh_shape, src, dst, flattened)
         steps = [s for s in plan.steps if s.collective in plan.collectives]
         for rank, (_, _, _, _, kinds, sent) in enumerate(per_rank):
@@ -123,7 +128,7 @@ def test_every_placement_pair(dist, mesh_shape, shape):
         world *= n
     pairs = _all_pairs(mesh_shape) if len(mesh_shape) < 3 else _covering_pairs(mesh_shape, shape)
     out = dist.run(world, _matrix, mesh_shape, shape, pairs, timeout=300)
-    assert list(out[0]) == pairs
+    assert [pair for pair in out[0] if pair != "flattened"] == pairs
     _check(out, mesh_shape, shape)
 
 
