@@ -375,7 +375,11 @@ def run_worker(main: Callable[[], int | None]) -> NoReturn:
             close_process_group()
         except BaseException as exc:  # noqa: BLE001
             end_with_failure(exc)
-    sys.exit(0)
+    # Out without interpreter teardown: gloo objects still referenced at shutdown (cached
+    # groups) are destroyed in an order that can abort a finished, successful worker with
+    # "terminate called without an active exception" (seen in CI: exit status 134).
+    _flush()
+    os._exit(0)
 
 
 def _status_of(main: Callable[[], int | None]) -> int:
