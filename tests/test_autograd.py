@@ -366,3 +366,45 @@ def test_from_local_stride_disagreement_is_named_before_the_collective(dist):
     dist.run_expect_error(4, _strides_disagree_without_run_check, exc_type=ValueError,
                           match=r"different global tensors: f32\[8@tp,3\] on ranks 0, 2, 3; "
                                 r"f32\[8@tp,3\] \(stride \[1, 8\]\) on rank 1")
+
+
+# ---------------------------------------------------------------------- gradients of leaves
+def _leaf_gradient_layouts() -> dict:
+    """Gradients arriving Partial or differently sharded reach each kind of leaf in its layout."""
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    whole = torch.randn(8, 4)
+    term = lambda: DTensor.from_local(torch.full((8, 4), float(rank + 1)), mesh, [Partial()])  # noqa: E731
+    out = {}
+    param = torch.nn.Parameter(sw.distribute_tensor(whole, mesh, [Shard(0)]))
+    with CommDebugMode() as comm:
+        param.backward(gradient=term())
+    out["parameter"] = (param.grad.placements, param.grad.full_tensor(), comm.get_comm_counts())
+    param.backward(gradient=term())  # accumulated: still the parameter's layout
+    out["accumulated"] = (param.grad.placements, param.grad.full_tensor())
+    setter = sw.distribute_tensor(whole, mesh, [Shard(1)])
+    setter.requires_grad = True
+    setter.backward(gradient=term())
+    out["setter"] = (setter.grad.placements, setter.grad.full_tensor())
+    factory = sw.ones(8, 4, device_mesh=mesh, placements=[Shard(1)], requires_grad=True)
+    factory.backward(gradient=sw.distribute_tensor(whole, mesh, [Shard(0)]))
+    out["factory"] = (factory.grad.placements, factory.grad.full_tensor())
+    pending = DTensor.from_local(torch.ones(8, 4), mesh, [Partial()]).detach().requires_grad_()
+    pending.backward(gradient=term())
+    out["partial_leaf"] = (pending.grad.placements, pending.grad.full_tensor())
+    out["whole"] = whole
+    return out
+
+
+def test_leaf_gradients_arrive_in_the_leaf_layout(dist):
+    world = 4
+    total = torch.full((8, 4), float(sum(range(1, world + 1))))
+    for out in dist.run(world, _leaf_gradient_layouts):
+        placements, grad, counts = out["parameter"]
+        assert placements == (Shard(0),) and torch.equal(grad, total)
+        assert counts == {"reduce_scatter": 1}  # not an all_reduce then a chunk
+        assert out["accumulated"][0] == (Shard(0),) and torch.equal(out["accumulated"][1], 2 * total)
+        assert out["setter"][0] == (Shard(1),) and torch.equal(out["setter"][1], total)
+        assert out["factory"][0] == (Shard(1),) and torch.equal(out["factory"][1], out["whole"])
+        assert out["partial_leaf"][0] == (Replicate(),) and torch.equal(out["partial_leaf"][1], total)

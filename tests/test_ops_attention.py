@@ -190,11 +190,5 @@ def _llama_block():
     return failures
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Known regression from issue 11's Partial rules (values and gradients are right, layouts are "
-    "not): the cost model now turns the residual R + Partial into Shard on the feature dim "
-    "(a reduce_scatter), so the MLP's activations are feature-sharded, its matmuls Partial, and "
-    "the w1/w3/wo weight gradients come out Partial(sum) instead of in their parameters' Shard "
-    "layout. To fix before issue 11 closes."))
 def test_llama_block_tensor_parallel(dist):
     assert_no_failures(dist.run(4, _llama_block))

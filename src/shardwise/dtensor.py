@@ -8,6 +8,7 @@ local blocks and inserts the communication the layouts require.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -49,9 +50,26 @@ class DTensor(torch.Tensor):
         )
         self._local_tensor = local_tensor
         self._spec = spec
+        if requires_grad:  # only leaves are built with requires_grad (Function outputs are not)
+            _keep_grad_layout(self)
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ------------------------------------------------------------------ gradients of leaves
+    def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
+        """As ``Tensor.requires_grad_``; a leaf that starts requiring grad (``nn.Parameter(dt)``
+        calls this) receives its gradients in its own layout (see ``_keep_grad_layout``)."""
+        super().requires_grad_(requires_grad)
+        if requires_grad and self.is_leaf:
+            _keep_grad_layout(self)
+        return self
+
+    requires_grad = property(
+        torch._C.TensorBase.requires_grad.__get__,
+        lambda self, value: self.requires_grad_(bool(value)),
+        doc="As ``Tensor.requires_grad``; setting it to True on a leaf is ``requires_grad_()``.",
+    )
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -243,6 +261,32 @@ class DTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
         return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=False)
+
+
+def _keep_grad_layout(leaf: DTensor) -> None:
+    """Make gradients reach ``leaf`` in ``leaf``'s own placements (Partial axes read as
+    Replicate: the gradient of a pending sum is the whole gradient on every rank).
+
+    The dispatcher picks each backward op's layout by cost, so a gradient may arrive still
+    Partial or sharded differently from its parameter (a weight gradient computed from Partial
+    activations is itself Partial). Its value is right, but code that reads ``p.grad.to_local()``
+    next to ``p.to_local()`` (an optimizer, a norm over local blocks) needs the blocks to line
+    up, so the gradient is redistributed once, before it is accumulated. Registered once per
+    leaf; the hook holds the layout, not the leaf (a weak reference would forbid
+    ``torch.utils.swap_tensors``, which ``module.to_empty`` uses).
+    """
+    hooks = leaf._backward_hooks
+    if hooks and any(isinstance(h, functools.partial) and h.func is _to_layout for h in hooks.values()):
+        return
+    spec = leaf._spec
+    target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    leaf.register_hook(functools.partial(_to_layout, spec.mesh, target))
+
+
+def _to_layout(mesh: DeviceMesh, placements: tuple[Placement, ...], grad: torch.Tensor) -> torch.Tensor | None:
+    if not isinstance(grad, DTensor) or grad._spec.mesh != mesh or grad._spec.placements == placements:
+        return None
+    return grad.redistribute(mesh, placements)
 
 
 def _rebuild_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool, attrs: dict[str, Any]) -> DTensor:
