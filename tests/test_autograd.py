@@ -370,7 +370,8 @@ def test_from_local_stride_disagreement_is_named_before_the_collective(dist):
 
 # ---------------------------------------------------------------------- gradients of leaves
 def _leaf_gradient_layouts() -> dict:
-    """Gradients arriving Partial or differently sharded reach each kind of leaf in its layout."""
+    """Gradients arriving Partial or differently sharded reach each kind of leaf cut into its
+    blocks; a replicated leaf keeps a Partial gradient pending (no communication)."""
     mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -393,6 +394,10 @@ def _leaf_gradient_layouts() -> dict:
     pending = DTensor.from_local(torch.ones(8, 4), mesh, [Partial()]).detach().requires_grad_()
     pending.backward(gradient=term())
     out["partial_leaf"] = (pending.grad.placements, pending.grad.full_tensor())
+    replicated = sw.distribute_tensor(whole, mesh, [Replicate()]).requires_grad_()
+    with CommDebugMode() as comm:
+        (replicated * 1.0).backward(gradient=term())  # deferred: reduced by whoever reads it
+    out["replicated_leaf"] = (replicated.grad.placements, replicated.grad.full_tensor(), comm.get_comm_counts())
     out["whole"] = whole
     return out
 
@@ -408,3 +413,5 @@ def test_leaf_gradients_arrive_in_the_leaf_layout(dist):
         assert out["setter"][0] == (Shard(1),) and torch.equal(out["setter"][1], total)
         assert out["factory"][0] == (Shard(1),) and torch.equal(out["factory"][1], out["whole"])
         assert out["partial_leaf"][0] == (Replicate(),) and torch.equal(out["partial_leaf"][1], total)
+        placements, grad, counts = out["replicated_leaf"]
+        assert placements == (Partial(),) and torch.equal(grad, total) and counts == {}

@@ -255,38 +255,73 @@ class DTensor(torch.Tensor):
         saves and loads its own block; ``torch.save`` stores the block's storage as usual."""
         return _rebuild_dtensor, (self._local_tensor.detach(), self._spec, self.requires_grad, dict(self.__dict__))
 
-    def __tensor_flatten__(self):
+    # ------------------------------------------------------------------ torch.compile
+    # A DTensor is traced as its block plus its spec: the spec (mesh by identity, placements,
+    # global shape, stride and dtype) is the hashable context that guards compare, and the
+    # dispatcher runs at trace time on fake blocks, so its collectives become graph nodes
+    # (see comm.py). docs/compile.md describes the path.
+    def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:
         return ["_local_tensor"], self._spec
 
     @staticmethod
-    def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
+    def __tensor_unflatten__(inner_tensors: dict, spec: DTensorSpec, outer_size, outer_stride) -> "DTensor":
+        meta = spec.tensor_meta
+        if tuple(outer_size) != tuple(meta.shape) or tuple(outer_stride) != tuple(meta.stride):
+            spec = replace(spec, tensor_meta=replace(meta, shape=torch.Size(outer_size), stride=tuple(outer_stride)))
         return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=False)
+
+    def __coerce_tangent_metadata__(self) -> "DTensor":
+        """The gradient flowing into a Partial output is Replicate on those axes (the gradient
+        of a pending sum is the whole gradient), so compiled backward graphs are traced for it."""
+        if not any(p.is_partial() for p in self._spec.placements):
+            return self
+        placements = [Replicate() if p.is_partial() else p for p in self._spec.placements]
+        return self.redistribute(self._spec.mesh, placements)
+
+    def __coerce_same_metadata_as_tangent__(self, expected: DTensorSpec, expected_type: type | None = None):
+        """The runtime gradient laid out as the compiled backward was traced for (None if it
+        cannot be: another tensor type or another mesh)."""
+        if expected_type not in (None, DTensor) or expected.mesh != self._spec.mesh:
+            return None
+        if expected.placements == self._spec.placements:
+            return self
+        return self.redistribute(expected.mesh, expected.placements)
 
 
 def _keep_grad_layout(leaf: DTensor) -> None:
-    """Make gradients reach ``leaf`` in ``leaf``'s own placements (Partial axes read as
-    Replicate: the gradient of a pending sum is the whole gradient on every rank).
+    """Make gradients reach ``leaf`` cut into ``leaf``'s own blocks.
 
-    The dispatcher picks each backward op's layout by cost, so a gradient may arrive still
-    Partial or sharded differently from its parameter (a weight gradient computed from Partial
-    activations is itself Partial). Its value is right, but code that reads ``p.grad.to_local()``
-    next to ``p.to_local()`` (an optimizer, a norm over local blocks) needs the blocks to line
-    up, so the gradient is redistributed once, before it is accumulated. Registered once per
-    leaf; the hook holds the layout, not the leaf (a weak reference would forbid
-    ``torch.utils.swap_tensors``, which ``module.to_empty`` uses).
+    The dispatcher picks each backward op's layout by cost, so a gradient may arrive Partial or
+    sharded differently from its leaf: a weight gradient computed from Partial activations is
+    itself Partial. Its value is right, but a sharded parameter would then hold a whole-size
+    gradient on every rank, and code that reads ``p.grad.to_local()`` next to ``p.to_local()``
+    (an optimizer, a norm over local blocks) needs the blocks to line up. So on every mesh axis
+    the gradient is brought to the leaf's placement once, before it is accumulated, with one
+    exception: where the leaf is Replicate, a Partial gradient stays pending (every rank's block
+    has the leaf's shape; the reduction is deferred to whoever needs the value, as in torch, so
+    data parallelism and gradient accumulation reduce it once). A Partial leaf's gradient is
+    Replicate there (the gradient of a pending sum is the whole gradient). The README's API
+    table states this contract.
+
+    Registered once per leaf. The hook holds the layout, not the leaf (a weak reference would
+    forbid ``torch.utils.swap_tensors``, which ``module.to_empty`` uses).
     """
     hooks = leaf._backward_hooks
-    if hooks and any(isinstance(h, functools.partial) and h.func is _to_layout for h in hooks.values()):
+    if hooks and any(isinstance(h, functools.partial) and h.func is _to_leaf_blocks for h in hooks.values()):
         return
     spec = leaf._spec
-    target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
-    leaf.register_hook(functools.partial(_to_layout, spec.mesh, target))
+    leaf.register_hook(functools.partial(_to_leaf_blocks, spec.mesh, spec.placements))
 
 
-def _to_layout(mesh: DeviceMesh, placements: tuple[Placement, ...], grad: torch.Tensor) -> torch.Tensor | None:
-    if not isinstance(grad, DTensor) or grad._spec.mesh != mesh or grad._spec.placements == placements:
+def _to_leaf_blocks(mesh: DeviceMesh, leaf: tuple[Placement, ...], grad: torch.Tensor) -> torch.Tensor | None:
+    if not isinstance(grad, DTensor) or grad._spec.mesh != mesh:
         return None
-    return grad.redistribute(mesh, placements)
+    have = grad._spec.placements
+    want = tuple(
+        g if (p.is_replicate() and g.is_partial()) else (Replicate() if p.is_partial() else p)
+        for p, g in zip(leaf, have)
+    )
+    return None if want == have else grad.redistribute(mesh, want)
 
 
 def _rebuild_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool, attrs: dict[str, Any]) -> DTensor:
