@@ -17,6 +17,12 @@ communication). A collective that does not complete within the collective timeou
 ``CollectiveTimeout`` naming it (kind, #seq, mesh axis, group ranks, bytes) and the ranks that
 did not arrive (``shardwise.stall``); one cut short because a peer process went away raises
 ``PeerLost``. The hot path pays a dict update and a ``try``; the diagnosis runs only on failure.
+
+Under ``torch.compile`` the blocks are fake or functional tensors: each collective is then
+issued as a functional collective (``torch.ops._c10d_functional`` with its ``wait_tensor``), so
+it becomes a node of the captured graph instead of running at trace time. Eager blocks keep
+the in-place c10d calls (no wrapper tensors on the hot path). Recorders see a traced collective
+once, when it is traced.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from shardwise.mesh import DeviceMesh
 
@@ -211,6 +218,22 @@ def _issue(kind: str, mesh: DeviceMesh | None, axis: int, nbytes: int, collectiv
         raise failure from err
 
 
+def traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a block seen while tracing (fake or functional), not real data.
+
+    Any tensor that is not a plain ``torch.Tensor`` takes the functional path; that path is
+    also right in eager, only slower."""
+    return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+
+
+def _issue_traced(kind: str, mesh: DeviceMesh, axis: int, nbytes: int, collective: Callable, *args, **kwargs):
+    """``collective(*args, group=..., **kwargs)``, a functional collective: recorded, returns its result."""
+    group = mesh.get_group(axis)
+    for recorder in _RECORDERS:
+        recorder.record(kind, mesh, axis, nbytes)
+    return collective(*args, group=group, **kwargs)
+
+
 def _failure(err: RuntimeError, kind: str, seq: int, group, mesh, axis, nbytes) -> CollectiveError | None:
     """The error to raise for a failed collective, or None to re-raise gloo's own."""
     text = str(err)
@@ -235,6 +258,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "product": dist.ReduceOp.PRODUCT}
+# gloo has no AVG: "avg" is summed, then divided (``_finish_avg``), traced or not.
+_FUNCTIONAL_OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "product": "product"}
 _LOCAL_REDUCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sum": lambda t: t.sum(0), "avg": lambda t: t.sum(0),
     "max": lambda t: t.amax(0), "min": lambda t: t.amin(0), "product": lambda t: t.prod(0),
@@ -260,6 +285,9 @@ def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
 def _a2a_flat(kind: str, mesh: DeviceMesh, axis: int, nbytes: int,
               send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
     """all_to_all_single over flat buffers with element counts per peer (issued as ``kind``)."""
+    if traced(send):
+        return _issue_traced(kind, mesh, axis, nbytes, funcol.all_to_all_single, send, list(recv_counts),
+                             list(send_counts))
     recv = send.new_empty(sum(recv_counts))
     _issue(kind, mesh, axis, nbytes, dist.all_to_all_single, recv, send, recv_counts, send_counts)
     return recv
@@ -275,7 +303,9 @@ def all_gather(
         return _empty_cat(shard, dim, sum(lengths))
     nbytes = (n - 1) * _nbytes(shard)
     rows = _rows_first(shard, dim)  # [len_me, *rest]
-    if len(set(lengths)) == 1:
+    if len(set(lengths)) == 1 and traced(rows):
+        out = _issue_traced("all_gather", mesh, axis, nbytes, funcol.all_gather_tensor, rows, 0)
+    elif len(set(lengths)) == 1:
         out = rows.new_empty((lengths[0] * n, *rows.shape[1:]))
         _issue("all_gather", mesh, axis, nbytes, _all_gather_single, out, rows)
     else:
@@ -305,7 +335,10 @@ def reduce_scatter(
         return full.narrow(dim, sum(lengths[:me]), lengths[me]).clone()
     nbytes = (full.shape[dim] - lengths[me]) * rest * full.element_size()
     rows = _rows_first(full, dim)
-    if len(set(lengths)) == 1:
+    if len(set(lengths)) == 1 and traced(rows):
+        out = _issue_traced("reduce_scatter", mesh, axis, nbytes, funcol.reduce_scatter_tensor, rows,
+                            _FUNCTIONAL_OPS[op], 0)
+    elif len(set(lengths)) == 1:
         out = rows.new_empty((lengths[0], *rows.shape[1:]))
         _issue("reduce_scatter", mesh, axis, nbytes, _reduce_scatter_single, out, rows, op=_REDUCE_OPS[op])
     else:
@@ -318,11 +351,15 @@ def reduce_scatter(
 def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, axis: int, op: str) -> torch.Tensor:
     """Reduce ``tensor`` over the axis with ``op``; every rank gets the result (a new tensor)."""
     n = mesh.size(axis)
-    out = tensor.contiguous().clone()
     if tensor.numel() == 0:
-        return out
+        return tensor.contiguous().clone()
     own = -(-tensor.numel() // n)
     nbytes = (tensor.numel() + (n - 2) * own) * tensor.element_size()
+    if traced(tensor):
+        out = _issue_traced("all_reduce", mesh, axis, nbytes, funcol.all_reduce, tensor.contiguous(),
+                            _FUNCTIONAL_OPS[op])
+        return _finish_avg(out, op, n)
+    out = tensor.contiguous().clone()
     _issue("all_reduce", mesh, axis, nbytes, dist.all_reduce, out, op=_REDUCE_OPS[op])
     return _finish_avg(out, op, n)
 
@@ -377,6 +414,9 @@ def scatter(
     width = max(lengths)
     if width * rest == 0:
         return full.narrow(dim, sum(lengths[:me]), lengths[me]).clone()
+    if traced(full):  # no functional scatter: the source's whole tensor, then this rank's piece
+        whole = broadcast(full, mesh, axis, src)
+        return whole.narrow(dim, sum(lengths[:me]), lengths[me]).clone()
     rows = _rows_first(full, dim)
     out = rows.new_empty((width, *rows.shape[1:]))
     pieces, nbytes = None, 0
@@ -396,10 +436,13 @@ def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:
 
 def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, axis: int, src: int) -> torch.Tensor:
     """Axis rank ``src``'s values, on every rank of the axis (a new tensor)."""
+    me = mesh.get_local_rank(axis)
+    if traced(tensor) and tensor.numel():
+        nbytes = _nbytes(tensor) if me == src else 0
+        return _issue_traced("broadcast", mesh, axis, nbytes, funcol.broadcast, tensor.contiguous(), src)
     out = tensor.contiguous().clone()
     if out.numel() == 0:
         return out
-    me = mesh.get_local_rank(axis)
     _issue("broadcast", mesh, axis, _nbytes(out) if me == src else 0, dist.broadcast, out, group_src=src)
     return out
 
