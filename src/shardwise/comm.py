@@ -312,7 +312,14 @@ def all_gather(
         flat = rows.reshape(-1).repeat(n)
         recv = _a2a_flat("all_gather", mesh, axis, nbytes, flat, [rows.numel()] * n, [l * rest for l in lengths])
         out = recv.view(sum(lengths), *rows.shape[1:])
-    return out.movedim(0, dim)
+    return _in_place_of(out, dim)
+
+
+def _in_place_of(rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """``rows`` (``dim`` first) with ``dim`` moved back, contiguous: a block's memory follows
+    its logical order, as a freshly computed tensor's does (compiled graphs view blocks
+    by their logical strides, so a permuted block would not reshape there)."""
+    return rows if dim == 0 else rows.movedim(0, dim).contiguous()
 
 
 def _rest(t: torch.Tensor, dim: int) -> int:
@@ -345,7 +352,7 @@ def reduce_scatter(
         recv = _a2a_flat("reduce_scatter", mesh, axis, nbytes, rows.reshape(-1),
                          [l * rest for l in lengths], [lengths[me] * rest] * n)
         out = _LOCAL_REDUCE[op](recv.view(n, lengths[me], *rows.shape[1:]))
-    return _finish_avg(out, op, n).movedim(0, dim)
+    return _in_place_of(_finish_avg(out, op, n), dim)
 
 
 def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, axis: int, op: str) -> torch.Tensor:

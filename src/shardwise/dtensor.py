@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from shardwise import blocks
+from shardwise.compile import Packed, opaque, pack, tracing, unpack
 from shardwise.dispatch import dispatch
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, Replicate, Shard, as_placements
@@ -142,19 +143,14 @@ class DTensor(torch.Tensor):
         mesh = device_mesh or default_mesh(local_tensor.device.type)
         placements = (as_placements(placements, "from_local: placements") if placements is not None
                       else (Replicate(),) * mesh.ndim)
-        if mesh.device_type != local_tensor.device.type and local_tensor.device.type == "cpu":
-            local_tensor = local_tensor.to(mesh.device_type)
         if shape is None and stride is not None:
             raise ValueError("from_local: pass shape together with stride")
         if grad_placements is not None:
             grad_placements = as_placements(grad_placements, "from_local: grad_placements")
-        if run_check and mesh.get_coordinate() is not None:
-            spec = _checked_spec(local_tensor, mesh, placements, shape, stride)
-        else:
-            spec = _unchecked_spec(local_tensor, mesh, placements, shape, stride)
-        if mesh.get_coordinate() is None:  # outside the mesh: an empty block (a view), as torch holds
-            local_tensor = local_tensor.as_strided((0,) * local_tensor.ndim, (1,) * local_tensor.ndim)
-        return FromLocal.apply(local_tensor, spec, grad_placements)
+        shape = tuple(shape) if shape is not None else None
+        stride = tuple(stride) if stride is not None else None
+        return _from_local(local_tensor, mesh, pack(placements), run_check, pack(shape), pack(stride),
+                           pack(grad_placements))
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's block (a view).
@@ -166,9 +162,7 @@ class DTensor(torch.Tensor):
         """
         if grad_placements is not None:
             grad_placements = as_placements(grad_placements, "to_local: grad_placements")
-        if not torch.is_grad_enabled():
-            return self._local_tensor
-        return ToLocal.apply(self, grad_placements or None)
+        return _to_local(self, pack(grad_placements or None))
 
     def redistribute(
         self,
@@ -200,17 +194,7 @@ class DTensor(torch.Tensor):
         if placements is None:
             raise ValueError("redistribute needs target placements")
         placements = as_placements(placements, "redistribute: placements")
-        mesh = device_mesh or self._spec.mesh
-        meta = self._spec.tensor_meta
-        if forward_dtype is not None and forward_dtype != meta.dtype:
-            meta = replace(meta, dtype=forward_dtype)
-        if mesh != self._spec.mesh:
-            check_same_ranks(self._spec, mesh)
-            return Redistribute.apply(self, DTensorSpec(mesh, placements, meta), backward_dtype)
-        dst = DTensorSpec(mesh, placements, meta)
-        if dst == self._spec and (backward_dtype is None or backward_dtype == meta.dtype):
-            return self
-        return Redistribute.apply(self, dst, backward_dtype)
+        return _redistribute(self, pack(device_mesh), pack(placements), pack(forward_dtype), pack(backward_dtype))
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole logical tensor on every rank (an all_gather / all_reduce: not for hot paths).
@@ -218,14 +202,9 @@ class DTensor(torch.Tensor):
         ``grad_placements`` as in ``to_local`` (default Replicate: each rank's gradient is the
         gradient of the whole value).
         """
-        if self._local_tensor.is_meta:
-            raise ValueError(
-                f"full_tensor() of the meta DTensor {self._spec.render()} on {self._spec.mesh}: a meta tensor "
-                "has no data to gather. Materialize it first (module.to_empty(device=...) and initialize the "
-                "parameters, or build the tensor on a real device)"
-            )
-        replicated = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
-        return replicated.to_local(grad_placements=grad_placements)
+        if grad_placements is not None:
+            grad_placements = as_placements(grad_placements, "full_tensor: grad_placements")
+        return _full_tensor(self, pack(grad_placements))
 
     # ------------------------------------------------------------------ copying and pickling
     def __deepcopy__(self, memo: dict) -> "DTensor":
@@ -288,6 +267,63 @@ class DTensor(torch.Tensor):
         return self.redistribute(expected.mesh, expected.placements)
 
 
+# ---------------------------------------------------------------------- the conversions
+# One opaque call each under torch.compile; arguments travel packed (see shardwise/compile.py).
+@opaque
+def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements: Packed, run_check: bool,
+                shape: Packed, stride: Packed, grad_placements: Packed) -> DTensor:
+    placements, shape, stride, grad_placements = unpack(placements), unpack(shape), unpack(stride), unpack(grad_placements)
+    if mesh.device_type != local.device.type and local.device.type == "cpu":
+        local = local.to(mesh.device_type)
+    traced = tracing()
+    if run_check and mesh.get_coordinate() is not None and not traced:
+        spec = _checked_spec(local, mesh, placements, shape, stride)
+    else:
+        spec = _unchecked_spec(local, mesh, placements, shape, stride, note=not traced)
+    if mesh.get_coordinate() is None:  # outside the mesh: an empty block (a view), as torch holds
+        local = local.as_strided((0,) * local.ndim, (1,) * local.ndim)
+    return FromLocal.apply(local, spec, grad_placements)
+
+
+@opaque
+def _to_local(dtensor: DTensor, grad_placements: Packed) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        return dtensor._local_tensor
+    return ToLocal.apply(dtensor, unpack(grad_placements))
+
+
+@opaque
+def _redistribute(dtensor: DTensor, device_mesh: Packed, placements: Packed,
+                  forward_dtype: Packed, backward_dtype: Packed) -> DTensor:
+    device_mesh, placements = unpack(device_mesh), unpack(placements)
+    forward_dtype, backward_dtype = unpack(forward_dtype), unpack(backward_dtype)
+    spec = dtensor._spec
+    mesh = device_mesh or spec.mesh
+    meta = spec.tensor_meta
+    if forward_dtype is not None and forward_dtype != meta.dtype:
+        meta = replace(meta, dtype=forward_dtype)
+    if mesh != spec.mesh:
+        check_same_ranks(spec, mesh)
+        return Redistribute.apply(dtensor, DTensorSpec(mesh, placements, meta), backward_dtype)
+    dst = DTensorSpec(mesh, placements, meta)
+    if dst == spec and (backward_dtype is None or backward_dtype == meta.dtype):
+        return dtensor
+    return Redistribute.apply(dtensor, dst, backward_dtype)
+
+
+@opaque
+def _full_tensor(dtensor: DTensor, grad_placements: Packed) -> torch.Tensor:
+    spec = dtensor._spec
+    if dtensor._local_tensor.is_meta:
+        raise ValueError(
+            f"full_tensor() of the meta DTensor {spec.render()} on {spec.mesh}: a meta tensor "
+            "has no data to gather. Materialize it first (module.to_empty(device=...) and initialize the "
+            "parameters, or build the tensor on a real device)"
+        )
+    replicated = _redistribute(dtensor, pack(spec.mesh), pack((Replicate(),) * spec.mesh.ndim), (), ())
+    return _to_local(replicated, grad_placements)
+
+
 def _keep_grad_layout(leaf: DTensor) -> None:
     """Make gradients reach ``leaf`` cut into ``leaf``'s own blocks.
 
@@ -334,9 +370,10 @@ def _rebuild_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool
 
 def _unchecked_spec(
     local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
-    shape: Sequence[int] | None, stride: Sequence[int] | None,
+    shape: Sequence[int] | None, stride: Sequence[int] | None, note: bool = True,
 ) -> DTensorSpec:
-    """The spec this rank infers on its own (noted, to be confirmed before the next collective)."""
+    """The spec this rank infers on its own (noted, to be confirmed before the next collective;
+    not while tracing, where blocks have no data)."""
     if shape is not None:
         spec, how = DTensorSpec(mesh, placements, blocks.global_meta(local, shape, stride)), "shape= given"
     else:
@@ -344,7 +381,8 @@ def _unchecked_spec(
         even = blocks.even_shape(local.shape, mesh, probe.placements)
         meta = TensorMeta(even, blocks.even_stride(local.stride(), mesh, probe.placements), local.dtype)
         spec, how = DTensorSpec(mesh, probe.placements, meta), "shape inferred assuming even blocks"
-    blocks.note(spec, tuple(local.shape), how)
+    if note:
+        blocks.note(spec, tuple(local.shape), how)
     return spec
 
 

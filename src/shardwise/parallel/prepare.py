@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from shardwise.compile import opaque
 from shardwise.mesh import DeviceMesh
 from shardwise.parallel.style import ParallelStyle, from_layout, to_layout
 from shardwise.placement import Placement
@@ -73,7 +74,7 @@ class PrepareModuleInput(ParallelStyle):
         self.use_local_output = use_local_output
 
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(self._make_hook(mesh), with_kwargs=True)
+        module.register_forward_pre_hook(opaque(self._make_hook(mesh)), with_kwargs=True)
         return module
 
     def _make_hook(self, mesh: DeviceMesh):
@@ -128,7 +129,7 @@ class PrepareModuleOutput(ParallelStyle):
             )
             return moved[0] if single else moved
 
-        module.register_forward_hook(hook)
+        module.register_forward_hook(opaque(hook))
         return module
 
 

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from shardwise.compile import opaque, tracing
 from shardwise.api import distribute_tensor
 from shardwise.dtensor import DTensor
 from shardwise.mesh import DeviceMesh
@@ -202,8 +203,8 @@ class _LinearPair(ParallelStyle):
         def after(mod, inputs, out):
             return from_layout(out, mesh, output, local)
 
-        module.register_forward_pre_hook(before)
-        module.register_forward_hook(after)
+        module.register_forward_pre_hook(opaque(before))
+        module.register_forward_hook(opaque(after))
 
 
 class ColwiseParallel(_LinearPair):
@@ -314,7 +315,7 @@ class SequenceParallel(ParallelStyle):
         unchecked = [self.check_plain_inputs]  # cleared by the first call
 
         def before(mod, inputs):
-            if unchecked[0]:
+            if unchecked[0] and not tracing():  # needs data: eager only (see shardwise/compile.py)
                 unchecked[0] = False
                 _refuse_replicated_plain_inputs(mod, inputs, mesh, self.sequence_dim)
             return tuple(to_layout(x, mesh, shard, shard) for x in inputs)
@@ -322,8 +323,8 @@ class SequenceParallel(ParallelStyle):
         def after(mod, inputs, out):
             return from_layout(out, mesh, shard, local)
 
-        module.register_forward_pre_hook(before)
-        module.register_forward_hook(after)
+        module.register_forward_pre_hook(opaque(before))
+        module.register_forward_hook(opaque(after))
         return module
 
 

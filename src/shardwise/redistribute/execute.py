@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from shardwise.compile import tracing
 from shardwise import blocks, comm
 from shardwise import mesh as mesh_module
 from shardwise.mesh import DeviceMesh
@@ -99,7 +100,7 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
     A rank outside the mesh holds nothing and returns its (empty) block unchanged. ``dst`` may
     be on another mesh over the same ranks (``cross_mesh``).
     """
-    if blocks.PENDING:  # from_local calls not yet confirmed across ranks (see shardwise.blocks)
+    if blocks.PENDING and not tracing():  # from_local calls not yet confirmed (see shardwise.blocks)
         blocks.settle(src.mesh)
         blocks.settle(dst.mesh)
     if src.mesh.get_coordinate() is None:
