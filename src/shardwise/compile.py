@@ -32,7 +32,7 @@ from shardwise.mesh import DeviceMesh
 from shardwise.placement import Partial, Placement, Replicate, Shard
 from shardwise.spec import DTensorSpec, TensorMeta
 
-__all__ = ["opaque", "register_constants", "tracing", "pack", "unpack", "Packed"]
+__all__ = ["eager_only", "opaque", "register_constants", "tracing", "pack", "unpack", "Packed"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -92,6 +92,15 @@ def _unpack_placement(packed: tuple) -> Placement:
     if kind == "partial":
         return Partial(packed[1])
     return Replicate()
+
+
+def eager_only(fn: F) -> F:
+    """``fn`` always runs eagerly, never traced: a compiled module calls it between graphs.
+
+    For hooks that manage memory and issue their own collectives at module boundaries
+    (``fully_shard``, ``replicate``): the block's compute between them is one graph, as when
+    torch compiles each block of an FSDP2 model."""
+    return torch._dynamo.disable(fn, reason="shardwise data-parallel hook: runs eagerly at block boundaries")
 
 
 _REGISTERED = False

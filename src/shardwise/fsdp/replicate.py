@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.compile import eager_only
 from shardwise import comm
 from shardwise.api import distribute_tensor, world_mesh
 from shardwise.dtensor import DTensor
@@ -105,8 +106,8 @@ class ReplicateState:
         self._callback_queued = False
 
     def install(self) -> None:
-        self.module.register_forward_pre_hook(self._pre_forward, prepend=True)
-        self.module.register_forward_hook(self._post_forward, always_call=True)
+        self.module.register_forward_pre_hook(eager_only(self._pre_forward), prepend=True)
+        self.module.register_forward_hook(eager_only(self._post_forward), always_call=True)
         self._install_grad_hooks()
 
     def __deepcopy__(self, memo: dict) -> "ReplicateState":

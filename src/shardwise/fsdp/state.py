@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from shardwise.compile import eager_only
 from shardwise.fsdp.backward import on_output_grad, queue_end_of_backward
 from shardwise.fsdp.group import ParamGroup
 from shardwise.fsdp.policy import MixedPrecisionPolicy
@@ -60,8 +61,9 @@ class FSDPState:
     # ------------------------------------------------------------------ install
     def install(self) -> None:
         """Register the forward hooks and one post-accumulate-grad hook per trainable parameter."""
-        self._handles.append(self.module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
-        self._handles.append(self.module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True))
+        pre, post = eager_only(self._pre_forward), eager_only(self._post_forward)
+        self._handles.append(self.module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(post, with_kwargs=True, always_call=True))
         self._install_grad_hooks()
 
     def __deepcopy__(self, memo: dict) -> "FSDPState":
