@@ -22,6 +22,7 @@ through ``comm``), so ``CommDebugMode`` counts stay those of the program's own c
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -342,7 +343,7 @@ PENDING: dict[DeviceMesh, _Notes] = {}
 def note(spec: DTensorSpec, block: tuple[int, ...], how: str) -> None:
     """Remember an unchecked from_local: ``spec`` is what this rank inferred (or was given)."""
     mesh = spec.mesh
-    if mesh.mesh.numel() == 1 or mesh.get_coordinate() is None:
+    if math.prod(mesh.shape) == 1 or mesh.get_coordinate() is None:
         return
     notes = PENDING.get(mesh)
     if notes is None:

@@ -168,7 +168,7 @@ class DeviceMesh:
         if self._coordinate is None:
             raise RuntimeError(
                 f"{what}: rank {self._rank} is not in {self.describe()}; only its ranks "
-                f"{sorted(self.mesh.flatten().tolist())} hold a position, a group and blocks on it"
+                f"{sorted(self._key[1])} hold a position, a group and blocks on it"
             )
 
     def get_rank(self) -> int:
@@ -315,7 +315,20 @@ class DeviceMesh:
 
     def describe(self) -> str:
         """Long form with the rank grid, for error messages about layouts."""
-        return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}, names={self.mesh_dim_names})"
+        return f"DeviceMesh({self.device_type!r}, {self.rank_grid()}, names={self.mesh_dim_names})"
+
+    def flat_ranks(self) -> tuple[int, ...]:
+        """The ranks in row-major order of the grid (Python data, see ``rank_grid``)."""
+        return self._key[1]
+
+    def rank_grid(self) -> list:
+        """The ranks as nested lists (``mesh.tolist()``), from Python data: it is also read
+        while tracing under torch.compile, where a tensor read would be a fake-tensor op."""
+        _, flat, shape, _, _ = self._key
+        grid: list = list(flat)
+        for size in reversed(shape[1:]):
+            grid = [grid[i:i + size] for i in range(0, len(grid), size)]
+        return grid
 
 
 def _rebuild_root(

@@ -48,7 +48,7 @@ class CrossMeshPlan:
 
 def mesh_ranks(mesh: DeviceMesh) -> list[int]:
     """The ranks of a mesh, sorted."""
-    return sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    return sorted(mesh.flat_ranks())
 
 
 def check_same_ranks(spec: DTensorSpec, target: DeviceMesh) -> None:
@@ -93,12 +93,9 @@ def _layouts(mesh_ndim: int, tensor_ndim: int):
 
 def _blocks(shape: torch.Size, mesh: DeviceMesh, placements: Layout) -> dict[int, tuple]:
     """Rank -> (block shape, block offset) of ``placements`` on ``mesh``."""
-    out = {}
-    grid = mesh.mesh
-    for flat, rank in enumerate(grid.flatten().tolist()):
-        coordinate = tuple(int(c) for c in torch.unravel_index(torch.tensor(flat), grid.shape))
-        out[int(rank)] = local_shape_and_offset(shape, mesh.shape, coordinate, placements)
-    return out
+    coordinates = itertools.product(*(range(n) for n in mesh.shape))  # row-major, as the ranks
+    return {rank: local_shape_and_offset(shape, mesh.shape, coordinate, placements)
+            for rank, coordinate in zip(mesh.flat_ranks(), coordinates)}
 
 
 def _cost(src: DTensorSpec, via: Layout) -> int:
