@@ -51,6 +51,17 @@ def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     return group
 
 
+def adopt_group(ranks: tuple[int, ...], group: object) -> None:
+    """Make ``group`` the cached group over ``ranks`` unless one is cached already.
+
+    For groups created elsewhere (``shardwise.interop`` reuses torch's meshes' groups): a mesh
+    built afterwards over these ranks takes them instead of creating new ones. A rank outside
+    ``ranks`` may pass any placeholder; it never uses the group, but caching it keeps every
+    rank's sequence of group creations the same.
+    """
+    _GROUPS.setdefault(tuple(ranks), group)
+
+
 def num_cached_groups() -> int:
     """How many distinct process groups meshes have asked for (for tests and tools)."""
     return len(_GROUPS)

@@ -1,0 +1,16 @@
+"""Interop with PyTorch's own distributed stack: the one place shardwise imports
+``torch.distributed.tensor`` (and torch's checkpoint and ShardedTensor modules).
+
+* ``to_torch`` / ``from_torch``: a DTensor either way, zero-copy, differentiable;
+  ``mesh_to_torch`` / ``mesh_from_torch`` for meshes (same ranks, names, process groups);
+  ``module_to_torch`` / ``module_from_torch`` for every parameter and buffer of a model.
+"""
+
+from shardwise.interop.dtensor import from_torch, module_from_torch, module_to_torch, to_torch
+from shardwise.interop.mesh import mesh_from_torch, mesh_to_torch
+from shardwise.interop.placements import UnconvertiblePlacement
+
+__all__ = [
+    "to_torch", "from_torch", "module_to_torch", "module_from_torch",
+    "mesh_to_torch", "mesh_from_torch", "UnconvertiblePlacement",
+]
