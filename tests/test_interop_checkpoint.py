@@ -1,0 +1,119 @@
+"""Checkpoints across ecosystems: torch.distributed.checkpoint (DCP) both ways.
+
+A tiny MLP trained with torch's own fully_shard + tensor parallelism on a (dp=2, tp=2) mesh is
+saved with ``torch.distributed.checkpoint.save``; shardwise loads it into a 4-way tensor-parallel
+model and continues to the same losses torch reaches; shardwise's export loads back into a
+fresh torch fully_shard + TP model that continues to the same losses again.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(8, 16, bias=False)
+        self.w2 = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.relu(self.w1(x)))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+def _torch_model():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = Tiny()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    return model, torch.optim.Adam(model.parameters(), lr=0.05), mesh
+
+
+def _torch_step(model, opt, mesh, step: int) -> float:
+    """One step on this dp rank's half of the batch; returns the global mean loss."""
+    x, y = _batch(step)
+    half = mesh["dp"].get_local_rank() * 4
+    loss = F.mse_loss(model(x[half:half + 4]), y[half:half + 4])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def _shardwise_model():
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(1)  # different init: everything must come from the checkpoint
+    model = Tiny()
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def _shardwise_step(model, opt, step: int) -> float:
+    x, y = _batch(step)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _dcp_both_ways(root: str) -> dict:
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import shardwise.checkpoint as swcp
+    from shardwise.interop import save_dcp
+
+    first, second = os.path.join(root, "torch"), os.path.join(root, "shardwise")
+    # torch trains 2 steps, saves with DCP, continues 2 more
+    model, opt, mesh = _torch_model()
+    for step in (1, 2):
+        _torch_step(model, opt, mesh, step)
+    msd, osd = get_state_dict(model, opt)
+    tdcp.save({"model": msd, "optim": osd}, checkpoint_id=first)
+    torch_losses = [_torch_step(model, opt, mesh, step) for step in (3, 4)]
+    # shardwise resumes from torch's checkpoint in another layout (4-way TP, no FSDP)
+    smodel, sopt = _shardwise_model()
+    state = {"model": smodel.state_dict(), "optim": swcp.optimizer_state_dict(smodel, sopt)}
+    swcp.load(state, first)
+    swcp.load_optimizer_state_dict(smodel, sopt, state["optim"])
+    sw_losses = [_shardwise_step(smodel, sopt, 3)]
+    save_dcp({"model": smodel.state_dict(), "optim": swcp.optimizer_state_dict(smodel, sopt)}, second)
+    sw_losses.append(_shardwise_step(smodel, sopt, 4))
+    # torch resumes from shardwise's export (after step 3) in fully_shard + TP
+    model2, opt2, mesh2 = _torch_model()
+    msd2, osd2 = get_state_dict(model2, opt2)
+    tdcp.load({"model": msd2, "optim": osd2}, checkpoint_id=second)
+    set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    back_loss = _torch_step(model2, opt2, mesh2, 4)
+    return {"torch": torch_losses, "shardwise": sw_losses, "back": back_loss}
+
+
+def test_dcp_checkpoints_resume_across_libraries_and_layouts(dist, tmp_path):
+    for out in dist.run(4, _dcp_both_ways, str(tmp_path)):
+        torch_3, torch_4 = out["torch"]
+        sw_3, sw_4 = out["shardwise"]
+        assert abs(sw_3 - torch_3) < 1e-5 * abs(torch_3) + 1e-6, out
+        assert abs(sw_4 - torch_4) < 1e-5 * abs(torch_4) + 1e-6, out
+        assert abs(out["back"] - sw_4) < 1e-5 * abs(sw_4) + 1e-6, out
