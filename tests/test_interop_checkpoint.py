@@ -117,3 +117,66 @@ def test_dcp_checkpoints_resume_across_libraries_and_layouts(dist, tmp_path):
         assert abs(sw_3 - torch_3) < 1e-5 * abs(torch_3) + 1e-6, out
         assert abs(sw_4 - torch_4) < 1e-5 * abs(torch_4) + 1e-6, out
         assert abs(out["back"] - sw_4) < 1e-5 * abs(sw_4) + 1e-6, out
+
+
+class Mixed(nn.Module):
+    """Two linears in different dtypes (f32 with a bias, bf16 without)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(8, 12)
+        self.w2 = nn.Linear(12, 6, bias=False).to(torch.bfloat16)
+
+
+def _huggingface_round_trip(root: str) -> dict:
+    import json
+
+    from safetensors.torch import save_file
+
+    import shardwise.checkpoint as swcp
+    from shardwise.fsdp import fully_shard
+    from shardwise.interop import read_weight_map, save_hf
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    source, out = os.path.join(root, "hf"), os.path.join(root, "export")
+    torch.manual_seed(3)
+    weights = {"w1.weight": torch.randn(12, 8), "w1.bias": torch.randn(12),
+               "w2.weight": torch.randn(6, 12).to(torch.bfloat16)}
+    files = {"model-00001-of-00002.safetensors": ["w1.bias", "w1.weight"],
+             "model-00002-of-00002.safetensors": ["w2.weight"]}
+    if dist.get_rank() == 0:
+        os.makedirs(source)
+        for file, keys in files.items():
+            save_file({k: weights[k] for k in keys}, os.path.join(source, file), metadata={"format": "pt"})
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+                 "weight_map": {k: f for f, keys in files.items() for k in keys}}
+        with open(os.path.join(source, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f)
+    dist.barrier()
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Mixed()
+    parallelize_module(model, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    fully_shard(model.w1, mesh=mesh["dp"])
+    fully_shard(model.w2, mesh=mesh["dp"])
+    sd = model.state_dict()
+    layouts = {k: [str(p) for p in v.placements] for k, v in sd.items()}
+    swcp.load(sd, source)
+    loaded = {k: torch.equal(v.full_tensor(), weights[k]) and v.dtype == weights[k].dtype for k, v in sd.items()}
+    save_hf(model.state_dict(), out, weight_map=read_weight_map(source))
+    same = {}
+    for file in files:
+        with open(os.path.join(source, file), "rb") as a, open(os.path.join(out, file), "rb") as b:
+            same[file] = a.read() == b.read()
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        index_out = json.load(f)
+    return {"layouts": layouts, "loaded": loaded, "same_bytes": same,
+            "weight_map": index_out["weight_map"] == read_weight_map(source)}
+
+
+def test_huggingface_shards_load_into_fsdp_tp_and_export_byte_identical(dist, tmp_path):
+    for out in dist.run(4, _huggingface_round_trip, str(tmp_path)):
+        assert all(len(p) == 2 for p in out["layouts"].values()), out["layouts"]  # sharded over dp and tp
+        assert out["loaded"] == {"w1.weight": True, "w1.bias": True, "w2.weight": True}, out
+        assert out["same_bytes"] == {"model-00001-of-00002.safetensors": True,
+                                     "model-00002-of-00002.safetensors": True}, out
+        assert out["weight_map"], out

@@ -9,9 +9,10 @@
 from shardwise.interop.dtensor import from_torch, module_from_torch, module_to_torch, to_torch
 from shardwise.interop.mesh import mesh_from_torch, mesh_to_torch
 from shardwise.interop.dcp import save_dcp
+from shardwise.interop.huggingface import read_weight_map, save_hf
 from shardwise.interop.placements import UnconvertiblePlacement
 
 __all__ = [
     "to_torch", "from_torch", "module_to_torch", "module_from_torch",
-    "mesh_to_torch", "mesh_from_torch", "UnconvertiblePlacement", "save_dcp",
+    "mesh_to_torch", "mesh_from_torch", "UnconvertiblePlacement", "save_dcp", "save_hf", "read_weight_map",
 ]
