@@ -180,3 +180,36 @@ def test_huggingface_shards_load_into_fsdp_tp_and_export_byte_identical(dist, tm
         assert out["same_bytes"] == {"model-00001-of-00002.safetensors": True,
                                      "model-00002-of-00002.safetensors": True}, out
         assert out["weight_map"], out
+
+
+def test_trainer_resumes_from_a_dcp_step_directory(tmp_path):
+    """The trainer's --resume path (Checkpointer.restore) takes a DCP ``step-<N>``: model, AdamW
+    moments, schedule and step come back exactly (one process, no process group)."""
+    from shardwise.interop import save_dcp
+    from shardwise.train.checkpointing import TrainState, latest_checkpoint, make_checkpointer
+
+    def state(seed: int) -> TrainState:
+        torch.manual_seed(seed)
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        return TrainState(model, opt, sched, seed=7, schedule_steps=10, config="tiny")
+
+    saved = state(0)
+    for step in (1, 2, 3):
+        x, y = _batch(step)
+        F.mse_loss(saved.model(x), y).backward()
+        saved.optimizer.step()
+        saved.optimizer.zero_grad()
+        saved.scheduler.step()
+        saved.step = step
+    save_dcp(saved.state_dict(), str(tmp_path / "step-3"))
+    assert latest_checkpoint(str(tmp_path)).train["seed"] == 7
+
+    resumed = state(1)
+    assert make_checkpointer(str(tmp_path), None, 10, resume=True).restore(resumed) == 3
+    for name, p in saved.model.named_parameters():
+        assert torch.equal(dict(resumed.model.named_parameters())[name], p), name
+        for k, v in saved.optimizer.state[p].items():
+            assert torch.equal(resumed.optimizer.state[dict(resumed.model.named_parameters())[name]][k], v), (name, k)
+    assert resumed.scheduler.state_dict()["last_epoch"] == 3 and resumed.optimizer.param_groups[0]["lr"] == 0.01 / 4
