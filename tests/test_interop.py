@@ -156,3 +156,63 @@ def test_module_helpers_convert_parameters_and_buffers_in_place(dist):
     for kinds, same, back, is_param, *close in dist.run(4, _modules):
         assert kinds == [True] * 3 and back == [True] * 3 and same and is_param
         assert all(close), close
+
+
+SHARD_LAYOUTS = [((2, 2), (Shard(0), Shard(1))), ((2, 2), (Shard(1), Shard(0))), ((2, 2), (Shard(0), Shard(0))),
+                 ((4,), (Shard(0),)), ((4,), (Shard(1),))]
+
+
+def _sharded_tensors() -> dict:
+    import warnings
+
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    from shardwise.interop import from_sharded_tensor, to_sharded_tensor
+
+    warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice
+    rows = []
+    for mesh_shape, placements in SHARD_LAYOUTS:
+        mesh = sw.init_device_mesh("cpu", mesh_shape)
+        for shape in ((5, 6), (3, 7)):  # uneven, and a rank with an empty box on 4-way dim 0
+            full = torch.arange(float(shape[0] * shape[1])).reshape(shape)
+            x = sw.distribute_tensor(full, mesh, list(placements))
+            st = to_sharded_tensor(x)
+            local = st.local_shards()[0]
+            box = tuple(slice(o, o + n) for o, n in zip(local.metadata.shard_offsets, local.metadata.shard_sizes))
+            back = from_sharded_tensor(st, mesh, placements)
+            rows.append((mesh_shape, placements, shape,
+                         tuple(st.size()) == shape, torch.equal(local.tensor, full[box]),
+                         local.tensor.data_ptr() == x.to_local().data_ptr() == back.to_local().data_ptr(),
+                         torch.equal(back.full_tensor(), full)))
+    # a ShardedTensor built by torch's own API, with its layout inferred (ChunkShardingSpec)
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(4)])
+    native = sharded_tensor.empty(spec, 10, 3)
+    local = native.local_shards()[0]
+    local.tensor.copy_(torch.arange(30.0).reshape(10, 3)[local.metadata.shard_offsets[0]:][:local.tensor.shape[0]])
+    inferred = from_sharded_tensor(native)
+    facts = (inferred.placements, torch.equal(inferred.full_tensor(), torch.arange(30.0).reshape(10, 3)))
+    errors = []
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for placements in ([Shard(0), Replicate()], [Partial(), Shard(1)]):
+        try:
+            to_sharded_tensor(sw.distribute_tensor(torch.ones(4, 4), mesh, placements))
+        except ValueError as err:
+            errors.append(str(err))
+    try:
+        from_sharded_tensor(native, mesh, [Shard(1), Shard(0)])
+    except ValueError as err:
+        errors.append(str(err))
+    return {"rows": rows, "native": facts, "errors": errors}
+
+
+def test_sharded_tensor_round_trips_for_shard_layouts(dist):
+    for out in dist.run(4, _sharded_tensors):
+        assert len(out["rows"]) == 2 * len(SHARD_LAYOUTS)
+        for mesh_shape, placements, shape, *checks in out["rows"]:
+            assert all(checks), (mesh_shape, placements, shape, checks)
+        assert out["native"] == ((Shard(0),), True)
+        replicate, partial, mismatch = out["errors"]
+        assert "mesh axis 1 ('tp') is Replicate()" in replicate and "only Shard" in replicate
+        assert "mesh axis 0 ('dp') is Partial(sum)" in partial
+        assert "rank" in mismatch and "box" in mismatch
