@@ -216,3 +216,12 @@ def test_sharded_tensor_round_trips_for_shard_layouts(dist):
         assert "mesh axis 1 ('tp') is Replicate()" in replicate and "only Shard" in replicate
         assert "mesh axis 0 ('dp') is Partial(sum)" in partial
         assert "rank" in mismatch and "box" in mismatch
+
+
+def _foreign_device_mesh():
+    sw.DeviceMesh("xla", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+
+
+def test_device_type_without_collectives_fails_naming_the_backend(dist):
+    dist.run_expect_error(4, _foreign_device_mesh, exc_type=RuntimeError,
+                          match=r"DeviceMesh\('xla'\).*backend 'gloo'.*no collective backend for device type 'xla'")
