@@ -26,6 +26,7 @@ __all__ = ["Source", "open_source", "ChunkReader", "DCP_METADATA_FILE", "HF_INDE
 
 DCP_METADATA_FILE = ".metadata"  # what marks a torch.distributed.checkpoint directory
 HF_INDEX_FILE = "model.safetensors.index.json"  # Hugging Face's index of a sharded checkpoint
+HF_SINGLE_FILE = "model.safetensors"  # ... and its one file when the model fits in one
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ def open_source(path: str) -> Source:
         from shardwise.interop.huggingface import hf_source
 
         return hf_source(path)
+    single = os.path.join(path, HF_SINGLE_FILE)  # a Hugging Face directory small enough for one file
+    if os.path.isfile(single) and not os.path.exists(os.path.join(path, METADATA_FILE)):
+        return Source(_file_metadata(single), path, single)
     directory = committed_dir(path)
     meta_path = os.path.join(directory, METADATA_FILE)
     try:
