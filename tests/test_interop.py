@@ -52,12 +52,15 @@ def _round_trips() -> list:
     mesh_facts = (tmesh.mesh.tolist(), tmesh.mesh_dim_names, same_groups,
                   mesh_to_torch(mesh) is tmesh, mesh_from_torch(tmesh) is mesh,
                   mesh_to_torch(mesh["tp"]).mesh.tolist() == mesh["tp"].mesh.tolist())
+    unnamed = sw.init_device_mesh("cpu", (2, 2))
+    u = to_torch(sw.distribute_tensor(torch.arange(8.0).reshape(4, 2), unnamed, [Shard(0), Shard(1)]))
+    mesh_facts += (u.device_mesh.mesh_dim_names, torch.equal((u + 1).full_tensor(), torch.arange(8.0).reshape(4, 2) + 1))
     return [rows, mesh_facts]
 
 
 def test_round_trips_keep_values_storage_and_layout(dist):
     for rows, mesh_facts in dist.run(4, _round_trips):
-        assert mesh_facts == ([[0, 1], [2, 3]], ("dp", "tp"), True, True, True, True)
+        assert mesh_facts == ([[0, 1], [2, 3]], ("dp", "tp"), True, True, True, True, None, True)
         assert len(rows) == (len(PLACEMENTS) ** 2 - 2)
         for shape, placements, on_mesh, torch_placements, same_storage, *equal in rows:
             assert on_mesh and same_storage and all(equal), (shape, placements, equal)
@@ -225,3 +228,24 @@ def _foreign_device_mesh():
 def test_device_type_without_collectives_fails_naming_the_backend(dist):
     dist.run_expect_error(4, _foreign_device_mesh, exc_type=RuntimeError,
                           match=r"DeviceMesh\('xla'\).*backend 'gloo'.*no collective backend for device type 'xla'")
+
+
+def test_only_interop_imports_torch_distributed_tensor():
+    """The library's own code stays independent of torch.distributed.tensor (and of torch's
+    checkpoint and ShardedTensor stacks); shardwise.interop is the one bridge."""
+    import ast
+    from pathlib import Path
+
+    src = Path(sw.__file__).parent
+    bridged = ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed._shard",
+               "torch.distributed.fsdp")
+    offenders = []
+    for path in src.rglob("*.py"):
+        if path.parent.name == "interop":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(src)}: {n}" for n in names if n.startswith(bridged)]
+    assert offenders == []
+    assert (src / "interop" / "dtensor.py").read_text().count("from torch.distributed.tensor import") == 1
