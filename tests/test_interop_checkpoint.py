@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -83,8 +84,6 @@ def _dcp_both_ways(root: str) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import shardwise.checkpoint as swcp
-    from shardwise.interop import save_dcp
-
     first, second = os.path.join(root, "torch"), os.path.join(root, "shardwise")
     # torch trains 2 steps, saves with DCP, continues 2 more
     model, opt, mesh = _torch_model()
@@ -97,9 +96,10 @@ def _dcp_both_ways(root: str) -> dict:
     smodel, sopt = _shardwise_model()
     state = {"model": smodel.state_dict(), "optim": swcp.optimizer_state_dict(smodel, sopt)}
     swcp.load(state, first)
+    loaded = {k: v.full_tensor() for k, v in state["model"].items()}
     swcp.load_optimizer_state_dict(smodel, sopt, state["optim"])
     sw_losses = [_shardwise_step(smodel, sopt, 3)]
-    save_dcp({"model": smodel.state_dict(), "optim": swcp.optimizer_state_dict(smodel, sopt)}, second)
+    swcp.save({"model": smodel.state_dict(), "optim": swcp.optimizer_state_dict(smodel, sopt)}, second, format="dcp")
     sw_losses.append(_shardwise_step(smodel, sopt, 4))
     # torch resumes from shardwise's export (after step 3) in fully_shard + TP
     model2, opt2, mesh2 = _torch_model()
@@ -107,7 +107,7 @@ def _dcp_both_ways(root: str) -> dict:
     tdcp.load({"model": msd2, "optim": osd2}, checkpoint_id=second)
     set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
     back_loss = _torch_step(model2, opt2, mesh2, 4)
-    return {"torch": torch_losses, "shardwise": sw_losses, "back": back_loss}
+    return {"torch": torch_losses, "shardwise": sw_losses, "back": back_loss, "loaded": loaded}
 
 
 def test_dcp_checkpoints_resume_across_libraries_and_layouts(dist, tmp_path):
@@ -117,6 +117,15 @@ def test_dcp_checkpoints_resume_across_libraries_and_layouts(dist, tmp_path):
         assert abs(sw_3 - torch_3) < 1e-5 * abs(torch_3) + 1e-6, out
         assert abs(sw_4 - torch_4) < 1e-5 * abs(torch_4) + 1e-6, out
         assert abs(out["back"] - sw_4) < 1e-5 * abs(sw_4) + 1e-6, out
+    # another world size: one process, plain tensors, reads torch's 4-rank checkpoint
+    import shardwise.checkpoint as swcp
+
+    plain = Tiny().state_dict()
+    swcp.load({"model": plain}, str(tmp_path / "torch"))
+    assert all(torch.equal(plain[k], v) for k, v in out["loaded"].items()) and plain.keys() == out["loaded"].keys()
+    wrong = {"model": {"w1.weight": torch.zeros(16, 9)}}
+    with pytest.raises(swcp.CheckpointError, match=r"'model.w1.weight'.*F32\[16, 8\].*F32\[16, 9\]"):
+        swcp.load(wrong, str(tmp_path / "torch"))
 
 
 class Mixed(nn.Module):
