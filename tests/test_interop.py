@@ -129,7 +129,7 @@ def _modules() -> list:
     from torch.distributed.tensor import DTensor as TorchDTensor
     from torch.distributed.tensor import Replicate as TR, distribute_tensor
 
-    from shardwise.interop import module_from_torch, module_to_torch
+    from shardwise.interop import mesh_to_torch, module_from_torch, module_to_torch
 
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -150,14 +150,27 @@ def _modules() -> list:
     back = [isinstance(t, sw.DTensor) for t in (model.weight, model.bias, model.scale)]
     out_sw = model(sw.distribute_tensor(x, mesh, [Replicate(), Replicate()])).full_tensor()
     want = F.linear(x, ref.weight, ref.bias)
-    return (kinds, same, back, isinstance(model.weight, nn.Parameter),
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardwise.fsdp import fully_shard
+
+    refusals = []
+    for wrap, convert in ((lambda m: fully_shard(m, mesh=mesh["dp"]), module_to_torch),
+                          (lambda m: torch_fully_shard(m, mesh=mesh_to_torch(mesh)["dp"]), module_from_torch)):
+        try:
+            convert(wrap(nn.Sequential(nn.Linear(4, 4))))
+        except ValueError as err:
+            refusals.append(str(err))
+    return (refusals, kinds, same, back, isinstance(model.weight, nn.Parameter),
             torch.allclose(out_torch, want, atol=1e-6), torch.allclose(out_sw, want, atol=1e-6),
             [t.to_local().data_ptr() for t in (model.weight, model.bias, model.scale)] == ptrs)
 
 
 def test_module_helpers_convert_parameters_and_buffers_in_place(dist):
-    for kinds, same, back, is_param, *close in dist.run(4, _modules):
+    for refusals, kinds, same, back, is_param, *close in dist.run(4, _modules):
         assert kinds == [True] * 3 and back == [True] * 3 and same and is_param
+        assert len(refusals) == 2 and "managed by shardwise's fully_shard" in refusals[0], refusals
+        assert "managed by torch's fully_shard" in refusals[1] and "format='dcp'" in refusals[1], refusals
         assert all(close), close
 
 

@@ -76,6 +76,7 @@ def module_from_torch(module: nn.Module) -> nn.Module:
 
 def _convert_module(module: nn.Module, kind: type, convert) -> nn.Module:
     """Replace each ``kind`` parameter / buffer by ``convert`` of it; tied tensors stay tied."""
+    _refuse_data_parallel_wrappers(module)
     found = [(owner, slot, name, value) for owner in module.modules()
              for slot in ("_parameters", "_buffers")
              for name, value in getattr(owner, slot).items() if isinstance(value, kind)]
@@ -93,3 +94,24 @@ def _convert_module(module: nn.Module, kind: type, convert) -> nn.Module:
             new = done[key]
         getattr(owner, slot)[name] = new
     return module
+
+
+def _refuse_data_parallel_wrappers(module: nn.Module) -> None:
+    """fully_shard / replicate keep their own parameter state and hooks, tied to one library's
+    DTensor: swapping the parameters under them would break the next forward. Say so, naming
+    the submodule, before anything changes."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from shardwise.fsdp.fully_shard import FSDPModule
+    from shardwise.fsdp.replicate import STATE_ATTR
+
+    for name, sub in module.named_modules():
+        owner = ("torch's fully_shard" if isinstance(sub, TorchFSDPModule) else
+                 "shardwise's fully_shard" if isinstance(sub, FSDPModule) else
+                 "shardwise's replicate" if sub.__dict__.get(STATE_ATTR) is not None else None)
+        if owner is not None:
+            raise ValueError(
+                f"module {name or type(sub).__name__!r} is managed by {owner}, which owns its parameters; "
+                f"convert the model before applying it, or move its state through a checkpoint "
+                f"(torch.distributed.checkpoint.save -> shardwise.checkpoint.load, or save(..., format='dcp'))"
+            )
