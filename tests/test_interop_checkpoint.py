@@ -169,7 +169,15 @@ def _huggingface_round_trip(root: str) -> dict:
     fully_shard(model.w2, mesh=mesh["dp"])
     sd = model.state_dict()
     layouts = {k: [str(p) for p in v.placements] for k, v in sd.items()}
-    swcp.load(sd, source)
+    from shardwise.checkpoint.source import ChunkReader
+
+    read, original = [], ChunkReader._read_part
+    ChunkReader._read_part = lambda self, *a: read.append(original(self, *a)) or read[-1]
+    try:
+        swcp.load(sd, source)
+    finally:
+        ChunkReader._read_part = original
+    read_only_own = sum(t.numel() for t in read) == sum(v.to_local().numel() for v in sd.values())
     loaded = {k: torch.equal(v.full_tensor(), weights[k]) and v.dtype == weights[k].dtype for k, v in sd.items()}
     save_hf(model.state_dict(), out, weight_map=read_weight_map(source))
     same = {}
@@ -178,7 +186,7 @@ def _huggingface_round_trip(root: str) -> dict:
             same[file] = a.read() == b.read()
     with open(os.path.join(out, "model.safetensors.index.json")) as f:
         index_out = json.load(f)
-    return {"layouts": layouts, "loaded": loaded, "same_bytes": same,
+    return {"layouts": layouts, "loaded": loaded, "same_bytes": same, "read_only_own": read_only_own,
             "weight_map": index_out["weight_map"] == read_weight_map(source)}
 
 
@@ -188,7 +196,7 @@ def test_huggingface_shards_load_into_fsdp_tp_and_export_byte_identical(dist, tm
         assert out["loaded"] == {"w1.weight": True, "w1.bias": True, "w2.weight": True}, out
         assert out["same_bytes"] == {"model-00001-of-00002.safetensors": True,
                                      "model-00002-of-00002.safetensors": True}, out
-        assert out["weight_map"], out
+        assert out["weight_map"] and out["read_only_own"], out  # each rank read exactly its blocks' elements
 
 
 def test_trainer_resumes_from_a_dcp_step_directory(tmp_path):
