@@ -123,6 +123,13 @@ def test_dcp_checkpoints_resume_across_libraries_and_layouts(dist, tmp_path):
     plain = Tiny().state_dict()
     swcp.load({"model": plain}, str(tmp_path / "torch"))
     assert all(torch.equal(plain[k], v) for k, v in out["loaded"].items()) and plain.keys() == out["loaded"].keys()
+    # and torch's DCP directory consolidates into one Hugging Face-style file
+    from safetensors.torch import load_file
+
+    swcp.consolidate(str(tmp_path / "torch"), str(tmp_path / "model.safetensors"), prefix="model.")
+    consolidated = load_file(str(tmp_path / "model.safetensors"))
+    assert consolidated.keys() == out["loaded"].keys()
+    assert all(torch.equal(consolidated[k], v) for k, v in out["loaded"].items())
     wrong = {"model": {"w1.weight": torch.zeros(16, 9)}}
     with pytest.raises(swcp.CheckpointError, match=r"'model.w1.weight'.*F32\[16, 8\].*F32\[16, 9\]"):
         swcp.load(wrong, str(tmp_path / "torch"))
