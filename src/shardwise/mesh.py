@@ -51,6 +51,17 @@ def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     return group
 
 
+def adopt_group(ranks: tuple[int, ...], group: object) -> None:
+    """Make ``group`` the cached group over ``ranks`` unless one is cached already.
+
+    For groups created elsewhere (``shardwise.interop`` reuses torch's meshes' groups): a mesh
+    built afterwards over these ranks takes them instead of creating new ones. A rank outside
+    ``ranks`` may pass any placeholder; it never uses the group, but caching it keeps every
+    rank's sequence of group creations the same.
+    """
+    _GROUPS.setdefault(tuple(ranks), group)
+
+
 def num_cached_groups() -> int:
     """How many distinct process groups meshes have asked for (for tests and tools)."""
     return len(_GROUPS)
@@ -368,9 +379,27 @@ def _check_mesh(grid: torch.Tensor, names: tuple[str, ...] | None) -> None:
 
 
 def _ensure_backend_device(device_type: str) -> None:
+    _require_collective_backend(device_type)
     if device_type == "cuda" and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local % torch.cuda.device_count())
+
+
+def _require_collective_backend(device_type: str) -> None:
+    """Refuse a device type the default process group has no collectives for, naming it.
+
+    Nothing else in shardwise assumes "cpu" or "cuda": another accelerator's device type works
+    wherever its process-group backend is registered, and fails here, before any group or
+    collective, where it is not.
+    """
+    try:
+        dist.group.WORLD._get_backend(torch.device(device_type))
+    except (RuntimeError, ValueError) as err:
+        raise RuntimeError(
+            f"DeviceMesh({device_type!r}): the default process group (backend {dist.get_backend()!r}) has no "
+            f"collective backend for device type {device_type!r} ({err}); start it with one, e.g. "
+            f"init_process_group(backend='cpu:gloo,{device_type}:<backend>')"
+        ) from None
 
 
 def init_device_mesh(

@@ -29,6 +29,10 @@ Semantics:
   the target are ignored (loading the model alone out of model + optimizer works).
 * ``load`` also accepts a ``.safetensors`` file (e.g. ``safetensors.torch.save_file(
   model.state_dict(), f)``): pass the model state dict itself so the keys match.
+* ``load`` also reads a ``torch.distributed.checkpoint`` directory (recognized by its
+  ``.metadata``; torchtitan's and torch's FSDP/TP checkpoints) and a Hugging Face sharded
+  checkpoint (a directory with ``model.safetensors.index.json``), resharding either into the
+  target; ``save(..., format="dcp")`` writes one torch's ``dcp.load`` reads (``shardwise.interop``).
 * Saving is atomic (see ``commit``): files go to ``<path>.tmp-<token>``, are fsync'ed, rank 0
   writes ``metadata.json`` last and renames the directory into place; a previous checkpoint at
   ``path`` is moved aside just before and removed after. A crash at any point leaves the

@@ -58,7 +58,9 @@ def load(state_dict: dict, path: str | os.PathLike) -> None:
             checkpoint has beyond the target's are ignored.
         path: a directory written by ``save``, or a ``.safetensors`` file (e.g. a plain
             ``model.state_dict()`` saved with ``safetensors.torch.save_file``; its keys must be
-            the target's keys, so pass the model state dict itself).
+            the target's keys, so pass the model state dict itself), a
+            ``torch.distributed.checkpoint`` directory (it has ``.metadata``), or a Hugging Face
+            directory (``model.safetensors.index.json`` and its shards, or one ``model.safetensors``).
 
     Raises:
         CheckpointError: on every rank, before anything in ``state_dict`` changes: the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -21,16 +22,25 @@ from shardwise.checkpoint.format import METADATA_FILE, Chunk, Metadata, TensorEn
 from shardwise.checkpoint.plan import Block
 from shardwise.checkpoint.safetensors_io import open_file
 
-__all__ = ["Source", "open_source", "ChunkReader"]
+__all__ = ["Source", "open_source", "ChunkReader", "DCP_METADATA_FILE", "HF_INDEX_FILE"]
+
+DCP_METADATA_FILE = ".metadata"  # what marks a torch.distributed.checkpoint directory
+HF_INDEX_FILE = "model.safetensors.index.json"  # Hugging Face's index of a sharded checkpoint
+HF_SINGLE_FILE = "model.safetensors"  # ... and its one file when the model fits in one
 
 
 @dataclass(frozen=True)
 class Source:
-    """A readable checkpoint: its metadata, the directory of its files, a label for messages."""
+    """A readable checkpoint: its metadata, the directory of its files, a label for messages.
+
+    ``opener`` opens one of its files as a context manager with safetensors' ``get_tensor`` /
+    ``get_slice``; another format (a ``torch.distributed.checkpoint`` directory) brings its own.
+    """
 
     metadata: Metadata
     directory: str
     label: str
+    opener: Callable[[str], Any] = open_file
 
 
 def open_source(path: str) -> Source:
@@ -41,6 +51,17 @@ def open_source(path: str) -> Source:
     """
     if path.endswith(".safetensors") and not os.path.isdir(path):
         return Source(_file_metadata(path), os.path.dirname(os.path.abspath(path)), path)
+    if os.path.isfile(os.path.join(path, DCP_METADATA_FILE)):  # written by torch.distributed.checkpoint
+        from shardwise.interop.dcp import dcp_source  # imports torch's checkpoint stack only when needed
+
+        return dcp_source(path)
+    if os.path.basename(path) == HF_INDEX_FILE or os.path.isfile(os.path.join(path, HF_INDEX_FILE)):
+        from shardwise.interop.huggingface import hf_source
+
+        return hf_source(path)
+    single = os.path.join(path, HF_SINGLE_FILE)  # a Hugging Face directory small enough for one file
+    if os.path.isfile(single) and not os.path.exists(os.path.join(path, METADATA_FILE)):
+        return Source(_file_metadata(single), path, single)
     directory = committed_dir(path)
     meta_path = os.path.join(directory, METADATA_FILE)
     try:
@@ -82,7 +103,7 @@ class ChunkReader:
     def _handle(self, file: str):
         if file not in self._handles:
             path = os.path.join(self._source.directory, file)
-            self._handles[file] = self._stack.enter_context(open_file(path))
+            self._handles[file] = self._stack.enter_context(self._source.opener(path))
         return self._handles[file]
 
     def read(self, fqn: str, entry: TensorEntry, chunk: Chunk, part: Block) -> torch.Tensor:

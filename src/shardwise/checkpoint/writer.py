@@ -51,7 +51,10 @@ class _LocalState:
     proposals: list[Proposal]
 
 
-def save(state_dict: Mapping, path: str | os.PathLike, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+def save(
+    state_dict: Mapping, path: str | os.PathLike, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    format: str = "shardwise",
+) -> None:
     """Save ``state_dict`` to the directory ``path``, atomically; collective over all ranks.
 
     Args:
@@ -62,6 +65,8 @@ def save(state_dict: Mapping, path: str | os.PathLike, *, max_chunk_bytes: int =
             the new one is complete.
         max_chunk_bytes: blocks are stored as row slabs of at most this many bytes (the unit
             of checksum and of reading on load).
+        format: "shardwise" (this format), or "dcp": a torch.distributed.checkpoint directory
+            written by torch's own writer (``shardwise.interop.save_dcp``; not atomic).
 
     Raises:
         CheckpointError: on every rank, naming the key, file or rank at fault.
@@ -69,6 +74,12 @@ def save(state_dict: Mapping, path: str | os.PathLike, *, max_chunk_bytes: int =
     Example:
         >>> save({"model": model.state_dict(), "step": 100}, "ckpt/step-100")
     """
+    if format == "dcp":
+        from shardwise.interop.dcp import save_dcp
+
+        return save_dcp(state_dict, path)
+    if format != "shardwise":
+        raise ValueError(f"save: format must be 'shardwise' or 'dcp', got {format!r}")
     path = os.fspath(path)
     local = _local_state(state_dict)
     world = current_world()

@@ -5,7 +5,9 @@ returns the step to start from) and ``after_step`` once a step's update is appli
 
 A checkpoint is one ``shardwise.checkpoint`` directory per saved step, ``<dir>/step-<N>``,
 saved atomically (a crash leaves the previous checkpoints intact and no ``step-<N>`` without
-``metadata.json``). It holds ``TrainState``:
+``metadata.json``). A ``step-<N>`` written in torch.distributed.checkpoint's format (with the
+same keys, e.g. by ``shardwise.interop.save_dcp(state.state_dict(), ...)``) resumes as well.
+It holds ``TrainState``:
 
 * ``model``: ``model.state_dict()``, DTensors in the saving layout;
 * ``optimizer``: the optimizer state keyed by parameter name (AdamW moments and step counts,
@@ -39,6 +41,7 @@ from torch import nn
 from shardwise.checkpoint.commit import committed_dir
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import METADATA_FILE, Metadata
+from shardwise.checkpoint.source import DCP_METADATA_FILE, open_source
 
 __all__ = ["TrainState", "Checkpointer", "NoCheckpointer", "DirectoryCheckpointer", "ResumePoint",
            "latest_checkpoint", "step_dir", "make_checkpointer"]
@@ -91,14 +94,18 @@ def latest_checkpoint(directory: str) -> ResumePoint | None:
 
 
 def _committed(directory: str, pattern: re.Pattern) -> list[re.Match]:
-    """Names in ``directory`` fully matching ``pattern`` whose directory holds metadata.json."""
+    """Names in ``directory`` fully matching ``pattern`` whose directory holds metadata.json
+    (or torch.distributed.checkpoint's ``.metadata``: a DCP ``step-<N>`` resumes too)."""
     names = os.listdir(directory) if os.path.isdir(directory) else []
     matches = [pattern.fullmatch(name) for name in names]
-    return [m for m in matches if m and os.path.isfile(os.path.join(directory, m.group(0), METADATA_FILE))]
+    return [m for m in matches if m and any(os.path.isfile(os.path.join(directory, m.group(0), marker))
+                                            for marker in (METADATA_FILE, DCP_METADATA_FILE))]
 
 
 def _metadata(path: str) -> Metadata:
     """The metadata of the checkpoint saved to ``path`` (or of its aside copy)."""
+    if os.path.isfile(os.path.join(path, DCP_METADATA_FILE)):
+        return open_source(path).metadata
     where = os.path.join(committed_dir(path), METADATA_FILE)
     try:
         with open(where) as f:

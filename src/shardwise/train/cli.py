@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also save every K steps (K > 0; default: only at the end of the run)")
     ckpt.add_argument("--resume", action="store_true",
                       help="continue from the latest committed checkpoint in --checkpoint-dir (highest step-<N> "
-                           "holding metadata.json) in this run's parallel layout and world size; needs the saving "
+                           "holding metadata.json, or torch.distributed.checkpoint's .metadata) in this run's parallel layout and world size; needs the saving "
                            "run's --config and --seed")
     return p
 
