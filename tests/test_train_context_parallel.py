@@ -23,3 +23,32 @@ def test_context_parallel_layout_trains_to_the_one_process_losses(dist, referenc
     per_rank = dist.run(nproc, _losses, BASE + ["--nproc", str(nproc), *flags], timeout=240)
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the global loss"
     _assert_parity(per_rank[0], reference, " ".join(flags))
+
+
+BAD_JOBS = [
+    (["--nproc", "4", "--cp", "2", "--seq-len", "34"],
+     r"--seq-len 34 is not divisible by 2 x --cp 2 = 4: context parallelism deals each sequence"),
+    (["--nproc", "4", "--cp", "3"], r"cannot infer --dp-shard: the number of processes 4 .* is not divisible by "
+                                    r"--dp-replicate 1 x --cp 3 x --tp 1 = 3"),
+    (["--nproc", "4", "--cp", "2", "--dp-shard", "4"], r"--dp-replicate 1 x --dp-shard 4 x --cp 2 x --tp 1 = 8 must equal"),
+    (["--cp", "0"], r"must be at least 1: --cp 0"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_JOBS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_context_parallel_job_is_refused_up_front(monkeypatch, capsys, argv, message):
+    import re
+
+    from tests.test_train import refusal_in_launcher
+
+    err = refusal_in_launcher(monkeypatch, capsys, argv)
+    assert re.search(message, err), err
+
+
+def test_context_parallel_layout_is_named():
+    from shardwise.train.config import JobConfig
+
+    job = JobConfig(config="tiny", nproc=8, cp=2, tp=2).validate()
+    assert job.layout() == "dp_shard=2 cp=2 tp=2"
+    assert job.describe_layout() == ("FSDP dp_shard=2 + CP cp=2 + TP tp=2 (dp_shard inferred: --nproc 8 / "
+                                     "(--dp-replicate 1 x --cp 2 x --tp 2))")
