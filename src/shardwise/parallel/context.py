@@ -86,23 +86,29 @@ class _RingAttention(torch.autograd.Function):
         lse_chunks, delta_chunks = lse.chunk(n_q, -1), delta.chunk(n_q, -1)
         dq = [torch.zeros(c.shape, dtype=dtype, device=q.device) for c in q_chunks]
         kv = [k, v]
-        grads = [torch.zeros(k.shape, dtype=dtype, device=k.device), torch.zeros(v.shape, dtype=dtype, device=v.device)]
+        travelling = None  # the dk/dv accumulators of the block arriving next (in flight)
         for step in range(layout.cp):
-            last = step == layout.cp - 1
-            pending = comm.ring_shift(kv, mesh, axis) if not last else None
+            pending = comm.ring_shift(kv, mesh, axis) if step < layout.cp - 1 else None
             src = (me - step) % layout.cp
             n_kv = len(layout.chunks_of(src))
             k_chunks, v_chunks = _chunks(kv[0], n_kv), _chunks(kv[1], n_kv)
-            dk_chunks, dv_chunks = _chunks(grads[0], n_kv), _chunks(grads[1], n_kv)
+            # This rank's share of block src's gradients, computed while its accumulators travel here.
+            mine = [torch.zeros(k.shape, dtype=dtype, device=k.device), torch.zeros(v.shape, dtype=dtype, device=v.device)]
+            dk_chunks, dv_chunks = _chunks(mine[0], n_kv), _chunks(mine[1], n_kv)
             for i, j, mask in chunk_pairs(layout, me, src, causal):
                 dq_i, dk_j, dv_j = block_backward(do_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j],
                                                   lse_chunks[i], delta_chunks[i], scale, mask)
                 dq[i] += dq_i
-                dk_chunks[j].add_(dk_j)  # views of grads[0]: the accumulator that travels with block src
+                dk_chunks[j].add_(dk_j)
                 dv_chunks[j].add_(dv_j)
-            grads = comm.ring_shift(grads, mesh, axis)()  # after the last step: home to their owner
+            if travelling is not None:
+                for acc, arrived in zip(mine, travelling()):
+                    acc.add_(arrived)
+            # on to the next rank; after the last step that is the block's owner
+            travelling = comm.ring_shift(mine, mesh, axis, tag=1)
             if pending is not None:
                 kv = pending()
+        grads = travelling()
         dq_full = torch.cat(dq, -2).to(q.dtype)
         return dq_full, grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None
 
