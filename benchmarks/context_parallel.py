@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Context-parallel attention benchmark: shardwise's ring attention and torch's context_parallel, in one run.
 
-    python benchmarks/context_parallel.py            # 4 CPU ranks, causal GQA attention, 4096 tokens
+    python benchmarks/context_parallel.py            # 4 CPU ranks, causal GQA attention, 2048 tokens
     python benchmarks/context_parallel.py --quick    # 1024 tokens, 3 reps (smoke check)
     python benchmarks/context_parallel.py --seq-len 8192 --heads 16 --kv-heads 4 --reps 5
 
@@ -44,7 +44,7 @@ AGREE_RTOL = 1e-4
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-len", type=int, default=None, help="tokens (default 4096; --quick 1024)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens (default 2048; --quick 1024)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2, help="grouped-query attention when below --heads")
@@ -53,7 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--non-causal", action="store_true", help="full attention instead of causal")
     p.add_argument("--quick", action="store_true", help="1024 tokens, 3 reps")
     args = p.parse_args(argv)
-    args.seq_len = args.seq_len or (1024 if args.quick else 4096)
+    args.seq_len = args.seq_len or (1024 if args.quick else 2048)
     args.reps = args.reps or (3 if args.quick else 5)
     if args.seq_len % (2 * NPROC):
         p.error(f"--seq-len {args.seq_len} must divide into 2 x cp = {2 * NPROC} chunks")

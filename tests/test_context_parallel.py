@@ -44,31 +44,33 @@ def test_balanced_layout_evens_out_causal_work(cp):
     assert sum(balanced) == (2 * cp) ** 2 / 2  # the lower triangle of (2cp)^2 chunk pairs, diagonal halved
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu_kernel", "matmuls"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("cp,balanced", [(2, True), (4, True), (4, False)])
-def test_ring_math_equals_sdpa(causal, heads, kv_heads, cp, balanced):
+def test_ring_math_equals_sdpa(causal, heads, kv_heads, cp, balanced, kernel):
     g = torch.Generator().manual_seed(cp * 10 + heads + kv_heads)
     q = torch.randn(2, heads, 24, 8, dtype=torch.float64, generator=g)
     k = torch.randn(2, kv_heads, 24, 8, dtype=torch.float64, generator=g)
-    v = torch.randn(2, kv_heads, 24, 5, dtype=torch.float64, generator=g)
-    got = ring_reference(q, k, v, SequenceLayout(cp, balanced), causal, 0.3)
+    v = torch.randn(2, kv_heads, 24, 8 if kernel else 5, dtype=torch.float64, generator=g)  # the kernel: Ev == E
+    got = ring_reference(q, k, v, SequenceLayout(cp, balanced), causal, 0.3, kernel)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu_kernel", "matmuls"])
 @pytest.mark.parametrize("mask", [Mask.FULL, Mask.DIAGONAL])
-def test_block_backward_with_the_final_lse_equals_autograd(mask):
+def test_block_backward_with_the_final_lse_equals_autograd(mask, kernel):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 6, 8, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(1, 2, 6, 8, dtype=torch.float64, generator=g, requires_grad=True)
-    v = torch.randn(1, 2, 6, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 6, 8 if kernel else 3, dtype=torch.float64, generator=g, requires_grad=True)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is Mask.DIAGONAL, enable_gqa=True)
     dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
     out.backward(dout)
     with torch.no_grad():
-        block_out, lse = block_forward(q, k, v, 8 ** -0.5, mask)
-        got = block_backward(dout, q, k, v, lse, (dout * block_out).sum(-1), 8 ** -0.5, mask)
+        block_out, lse = block_forward(q, k, v, 8 ** -0.5, mask, kernel)
+        got = block_backward(dout, q, k, v, block_out, lse, (dout * block_out).sum(-1), 8 ** -0.5, mask, kernel)
     for mine, theirs in zip(got, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
 

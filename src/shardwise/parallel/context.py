@@ -70,7 +70,7 @@ class _RingAttention(torch.autograd.Function):
         out = torch.cat([o for o, _ in acc], -2)  # type: ignore[misc]
         lse = torch.cat([s for _, s in acc], -1)  # type: ignore[misc]
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, result, lse)  # the output in q's dtype: bf16 runs keep no fp32 copy
         ctx.ring = (mesh, axis, layout, causal, scale)
         return result
 
@@ -81,8 +81,8 @@ class _RingAttention(torch.autograd.Function):
         me = mesh.get_local_rank(axis)
         dtype = accumulation_dtype(q.dtype)
         n_q = len(layout.chunks_of(me))
-        delta = (dout.to(dtype) * out).sum(-1)
-        q_chunks, do_chunks = _chunks(q, n_q), _chunks(dout, n_q)
+        delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+        q_chunks, do_chunks, out_chunks = _chunks(q, n_q), _chunks(dout, n_q), _chunks(out, n_q)
         lse_chunks, delta_chunks = lse.chunk(n_q, -1), delta.chunk(n_q, -1)
         dq = [torch.zeros(c.shape, dtype=dtype, device=q.device) for c in q_chunks]
         kv = [k, v]
@@ -96,7 +96,7 @@ class _RingAttention(torch.autograd.Function):
             mine = [torch.zeros(k.shape, dtype=dtype, device=k.device), torch.zeros(v.shape, dtype=dtype, device=v.device)]
             dk_chunks, dv_chunks = _chunks(mine[0], n_kv), _chunks(mine[1], n_kv)
             for i, j, mask in chunk_pairs(layout, me, src, causal):
-                dq_i, dk_j, dv_j = block_backward(do_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j],
+                dq_i, dk_j, dv_j = block_backward(do_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j], out_chunks[i],
                                                   lse_chunks[i], delta_chunks[i], scale, mask)
                 dq[i] += dq_i
                 dk_chunks[j].add_(dk_j)
