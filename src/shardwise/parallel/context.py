@@ -162,7 +162,6 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 # ---------------------------------------------------------------------- SDPA inside the block
 _ACTIVE: list[tuple[DeviceMesh, SequenceLayout]] = []
-_ORIGINAL_SDPA = F.scaled_dot_product_attention
 
 
 def _ring_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
@@ -204,14 +203,14 @@ def _ring_on_dtensors(q: Any, k: Any, v: Any, mesh: DeviceMesh, layout: Sequence
 
 @contextlib.contextmanager
 def _sdpa_as_ring(mesh: DeviceMesh, layout: SequenceLayout) -> Iterator[None]:
+    previous = F.scaled_dot_product_attention  # torch's, or an enclosing block's
     _ACTIVE.append((mesh, layout))
     F.scaled_dot_product_attention = _ring_sdpa
     try:
         yield
     finally:
         _ACTIVE.pop()
-        if not _ACTIVE:
-            F.scaled_dot_product_attention = _ORIGINAL_SDPA
+        F.scaled_dot_product_attention = previous
 
 
 # ---------------------------------------------------------------------- buffers

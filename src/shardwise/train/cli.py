@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = JobConfig()
     p = argparse.ArgumentParser(prog=PROG, formatter_class=_HelpFormatter,
                                 description="Train a Llama-style model on the Python standard library's source with "
-                                "any mix of FSDP/HSDP, DDP, TP, SP and loss parallelism.")
+                                "any mix of FSDP/HSDP, DDP, TP, SP, loss parallelism and context parallelism (--cp).")
     p.add_argument("--config", default=d.config, metavar="NAME",
                    help="model shapes: " + "; ".join(describe_config(name) for name in CONFIGS))
     p.add_argument("--nproc", type=int, default=None,
