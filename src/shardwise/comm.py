@@ -417,14 +417,16 @@ def barrier() -> None:
     _issue("barrier", None, 0, 0, dist.barrier)
 
 
-def ring_shift(tensors: Sequence[torch.Tensor], mesh: DeviceMesh, axis: int, tag: int = 0) -> Callable[[], list[torch.Tensor]]:
+def ring_shift(tensors: Sequence[torch.Tensor], mesh: DeviceMesh, axis: int,
+               tag: int = 0) -> Callable[[], list[torch.Tensor]]:
     """Pass ``tensors`` one step around the ring of the mesh axis; returns ``wait``.
 
     Starts at once (point-to-point, ``batch_isend_irecv``): this rank sends its tensors to the
     next rank of the axis and receives same-shaped ones from the previous rank. ``wait()``
     returns the received tensors; compute issued in between overlaps the transfer (ring
-    attention). Shifts in flight at the same time on one axis need distinct ``tag``s. Recorded as one ``send_recv`` of the bytes sent; on a one-rank axis ``wait``
-    returns the tensors themselves.
+    attention). Shifts in flight at the same time on one axis need distinct ``tag``s. Recorded
+    as one ``send_recv`` of the bytes sent; on a one-rank axis ``wait`` returns the tensors
+    themselves.
     """
     n = mesh.size(axis)
     if n == 1:
