@@ -104,7 +104,7 @@ def _ring_cases() -> dict:
     """Every case: worst relative error of out/dq/dk/dv vs one device, and the bytes sent."""
     import shardwise as sw
     from shardwise.debug import CommDebugMode
-    from shardwise.parallel import context_parallel, context_parallel_unshard
+    from shardwise.parallel import context_parallel, context_parallel_unshard, ring_attention
 
     mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
     result: dict = {"cases": []}
@@ -119,9 +119,11 @@ def _ring_cases() -> dict:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=heads != kv_heads)
             with CommDebugMode() as bwd:
                 out.backward(dout)
+        direct = ring_attention(q.detach(), k.detach(), v.detach(), mesh, is_causal=causal, enable_gqa=heads != kv_heads,
+                                load_balance=balance)  # the function itself, outside the block
         got = context_parallel_unshard(mesh, [out.detach(), q.grad, k.grad, v.grad], [2] * 4, load_balance=balance)
         errors = [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
-        result["cases"].append({"errors": errors, "local_shapes": local_shapes,
+        result["cases"].append({"errors": errors, "local_shapes": local_shapes, "direct": torch.equal(direct, out.detach()),
                                 "fwd_bytes": fwd.bytes_sent, "fwd_counts": dict(fwd.get_comm_counts()),
                                 "bwd_bytes": bwd.bytes_sent, "kv_bytes": 2 * k.numel() * k.element_size()})
     result["restored"] = _restores_buffers(mesh)
@@ -198,6 +200,7 @@ def test_ring_attention_on_four_ranks_equals_sdpa_and_sends_three_quarters_of_kv
             causal, balance, heads, kv_heads, dtype = case
             tol = 1e-12 if dtype == torch.float64 else 1e-5
             assert max(got["errors"]) < tol, (rank, case, got["errors"])
+            assert got["direct"], "ring_attention(...) differs from SDPA inside context_parallel"
             assert got["local_shapes"][0] == (BATCH, heads, SEQ // 4, DIM), got["local_shapes"]
             # forward: the local k and v blocks go around 3 of 4 hops: (cp - 1) / cp of K and V
             assert got["fwd_counts"] == {"send_recv": 3}, got["fwd_counts"]
