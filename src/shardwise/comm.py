@@ -44,7 +44,7 @@ __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "scatter", "broadcast",
     "all_gather_object", "barrier", "CommRecorder", "add_recorder", "remove_recorder",
     "set_collective_timeout", "collective_timeout", "TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S",
-    "CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost",
+    "CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost", "ring_shift",
 ]
 
 
@@ -465,3 +465,47 @@ def barrier() -> None:
     """Wait until every rank of the default group arrives (before tearing the group down, so
     no rank destroys its connections while a peer is still finishing a collective)."""
     _issue("barrier", None, 0, 0, dist.barrier)
+
+
+def ring_shift(tensors: Sequence[torch.Tensor], mesh: DeviceMesh, axis: int,
+               tag: int = 0) -> Callable[[], list[torch.Tensor]]:
+    """Pass ``tensors`` one step around the ring of the mesh axis; returns ``wait``.
+
+    Starts at once (point-to-point, ``batch_isend_irecv``): this rank sends its tensors to the
+    next rank of the axis and receives same-shaped ones from the previous rank. ``wait()``
+    returns the received tensors; compute issued in between overlaps the transfer (ring
+    attention). Shifts in flight at the same time on one axis need distinct ``tag``s. Recorded
+    as one ``send_recv`` of the bytes sent; on a one-rank axis ``wait`` returns the tensors
+    themselves.
+    """
+    n = mesh.size(axis)
+    if n == 1:
+        return lambda: list(tensors)
+    me = mesh.get_local_rank(axis)
+    sends = [t.contiguous() for t in tensors]
+    recvs = [torch.empty_like(t) for t in sends]
+    nbytes = sum(_nbytes(t) for t in sends)
+    group = mesh.get_group(axis)
+    ranks = dist.get_process_group_ranks(group)
+    nxt, prev = ranks[(me + 1) % n], ranks[(me - 1) % n]
+
+    def start(*, group):
+        ops = [dist.P2POp(dist.isend, t, nxt, group, tag) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, prev, group, tag) for t in recvs]
+        return dist.batch_isend_irecv(ops)
+
+    works = _issue("send_recv", mesh, axis, nbytes, start)
+    seq = _SEQ[group]
+
+    def wait() -> list[torch.Tensor]:
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as err:
+            failure = _failure(err, "send_recv", seq, group, mesh, axis, nbytes)
+            if failure is None:
+                raise
+            raise failure from err
+        return recvs
+
+    return wait

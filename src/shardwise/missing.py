@@ -4,11 +4,11 @@ A package lists its missing names in ``NOT_YET`` and sets ``__getattr__ = missin
 Looking such a name up then says what is missing and what to use instead, without breaking
 the two ways code probes for a feature:
 
-* ``from shardwise.experimental import context_parallel`` raises ``NotProvidedImportError``,
+* ``from shardwise.parallel import fsdp`` raises ``NotProvidedImportError``,
   an ``ImportError`` (``try: ... except ImportError`` probes fall back) and a
   ``NotImplementedError``, carrying the explanation (an ``AttributeError`` raised during
   ``from ... import`` would be replaced by Python's bare "cannot import name");
-* ``shardwise.experimental.context_parallel``, ``hasattr`` and ``getattr(m, name, default)``
+* ``shardwise.parallel.fsdp``, ``hasattr`` and ``getattr(m, name, default)``
   see ``NotProvidedError``, an ``AttributeError`` (probes answer False / the default) that is
   also a ``NotImplementedError``.
 
@@ -35,11 +35,6 @@ NOT_YET: dict[str, dict[str, tuple[str, str]]] = {
         "input_reshard": ("torch.distributed.tensor.parallel.input_reshard",
                           "resharding a module's saved inputs for backward; no equivalent yet (activation "
                           "checkpointing in shardwise.train.parallelize saves memory instead)"),
-    },
-    "shardwise.experimental": {
-        "context_parallel": ("torch.distributed.tensor.experimental.context_parallel",
-                             "context (ring-attention) parallelism over the sequence dim; shard the sequence "
-                             "with SequenceParallel between attention blocks instead"),
     },
 }
 

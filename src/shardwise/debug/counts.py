@@ -16,7 +16,7 @@ __all__ = ["CommCounts", "collective_kind", "KINDS"]
 
 # The kinds shardwise.comm records (comm.py: one string per collective function).
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "scatter",
-         "all_gather_object", "barrier")
+         "all_gather_object", "barrier", "send_recv")
 
 # Torch's names for the same collectives: functional ops (c10d_functional, _c10d_functional,
 # _c10d_functional_autograd), the Python functional collectives (torch.distributed.
@@ -43,6 +43,7 @@ _TORCH_NAMES: dict[str, tuple[str, ...]] = {
     "scatter": ("scatter", "scatter_"),
     "all_gather_object": ("all_gather_object",),
     "barrier": ("barrier",),
+    "send_recv": ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_", "recv_"),
 }
 _BY_TORCH_NAME = {name: kind for kind, names in _TORCH_NAMES.items() for name in names}
 _OP_NAMESPACES = {"c10d_functional", "_c10d_functional", "_c10d_functional_autograd", "c10d"}

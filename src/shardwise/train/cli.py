@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = JobConfig()
     p = argparse.ArgumentParser(prog=PROG, formatter_class=_HelpFormatter,
                                 description="Train a Llama-style model on the Python standard library's source with "
-                                "any mix of FSDP/HSDP, DDP, TP, SP and loss parallelism.")
+                                "any mix of FSDP/HSDP, DDP, TP, SP, loss parallelism and context parallelism (--cp).")
     p.add_argument("--config", default=d.config, metavar="NAME",
                    help="model shapes: " + "; ".join(describe_config(name) for name in CONFIGS))
     p.add_argument("--nproc", type=int, default=None,
@@ -60,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "anyway, as an ambiguous abbreviation of its own --nproc-per-node")
     p.add_argument("--dp-replicate", type=int, default=d.dp_replicate, help="data-parallel replicas (DDP/HSDP)")
     p.add_argument("--dp-shard", type=int, default=d.dp_shard,
-                   help="FSDP shards; -1 infers nproc / (dp-replicate x tp), so --dp-replicate 2 with --nproc 4 is "
+                   help="FSDP shards; -1 infers nproc / (dp-replicate x cp x tp), so --dp-replicate 2 with --nproc 4 is "
                         "HSDP 2 x 2 (the layout is printed at start); pass --dp-shard 1 for plain DDP")
+    p.add_argument("--cp", type=int, default=d.cp,
+                   help="context-parallel degree: each sequence is split over cp ranks (ring attention; --seq-len "
+                        "divisible by 2 x cp); FSDP shards over dp-shard x cp")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
     p.add_argument("--sequence-parallel", action="store_true", help="shard norms/residuals along the sequence (tp)")
     p.add_argument("--loss-parallel", action="store_true", help="loss on vocabulary-sharded logits (tp)")

@@ -148,7 +148,8 @@ class JobConfig:
     Args:
         config: name of the model shapes in ``CONFIGS``.
         nproc: processes (ranks) in the job.
-        dp_replicate / dp_shard / tp: parallel degrees (dp_shard=-1 takes what is left).
+        dp_replicate / dp_shard / cp / tp: parallel degrees (dp_shard=-1 takes what is left); cp
+            shards each sequence over the cp ranks (ring attention, load-balanced layout).
         sequence_parallel: shard norms and residuals along the sequence over the tp axis.
         loss_parallel: compute the loss on vocabulary-sharded logits (no logits all-gather).
         steps: optimizer steps of the run (the learning-rate schedule spans them).
@@ -176,6 +177,7 @@ class JobConfig:
     nproc: int = 1
     dp_replicate: int = 1
     dp_shard: int = -1
+    cp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
@@ -208,7 +210,7 @@ class JobConfig:
         """The degrees as a validated ``ParallelDims`` (dp_shard=-1 resolved)."""
         self._check_degrees()
         try:
-            return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp,
+            return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
                                 world_size=self.nproc)
         except ValueError as err:
             raise ConfigError(f"parallel degrees do not fit --nproc {self.nproc}: {err}") from None
@@ -216,18 +218,19 @@ class JobConfig:
     def _check_degrees(self) -> None:
         """The product of the degrees is the world size, said in the CLI's flags.
 
-        ``ParallelDims`` also knows cp, pp and ep, which the trainer has no flags for yet.
+        ``ParallelDims`` also knows pp and ep, which the trainer has no flags for yet.
         """
         world = f"the number of processes {self.nproc} (--nproc, or the launcher's world size)"
+        cp = f" x --cp {self.cp}" if self.cp != 1 else ""
         if self.dp_shard == -1:
-            others = self.dp_replicate * self.tp
+            others = self.dp_replicate * self.cp * self.tp
             if self.nproc % others:
                 raise ConfigError(f"cannot infer --dp-shard: {world} is not divisible by --dp-replicate "
-                                  f"{self.dp_replicate} x --tp {self.tp} = {others}")
+                                  f"{self.dp_replicate}{cp} x --tp {self.tp} = {others}")
             return
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.nproc:
-            raise ConfigError(f"--dp-replicate {self.dp_replicate} x --dp-shard {self.dp_shard} x --tp {self.tp} = "
+            raise ConfigError(f"--dp-replicate {self.dp_replicate} x --dp-shard {self.dp_shard}{cp} x --tp {self.tp} = "
                               f"{product} must equal {world}; --dp-shard -1 (the default) infers it")
 
     def describe_layout(self) -> str:
@@ -235,9 +238,11 @@ class JobConfig:
         text = self.parallel_dims().describe()
         extras = [f for f, on in (("+SP", self.sequence_parallel), ("+loss parallel", self.loss_parallel)) if on]
         text += "".join(" " + e for e in extras)
-        inferred = self.nproc // (self.dp_replicate * self.tp)
+        inferred = self.nproc // (self.dp_replicate * self.cp * self.tp)
         if self.dp_shard == -1 and inferred > 1:
-            text += f" (dp_shard inferred: --nproc {self.nproc} / (--dp-replicate {self.dp_replicate} x --tp {self.tp}))"
+            cp = f" x --cp {self.cp}" if self.cp != 1 else ""
+            text += (f" (dp_shard inferred: --nproc {self.nproc} / (--dp-replicate {self.dp_replicate}{cp} x "
+                     f"--tp {self.tp}))")
         return text
 
     @property
@@ -248,7 +253,7 @@ class JobConfig:
     def layout(self) -> str:
         """A short name of the layout, e.g. ``dp_shard=2 tp=2 +sp +loss_parallel``."""
         dims = self.parallel_dims()
-        parts = [f"{n}={getattr(dims, n)}" for n in ("dp_replicate", "dp_shard", "tp") if getattr(dims, n) > 1]
+        parts = [f"{n}={getattr(dims, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1]
         flags = [f for f, on in (("+sp", self.sequence_parallel), ("+loss_parallel", self.loss_parallel),
                                  ("+ac", self.activation_checkpointing), ("+bf16", self.mixed_precision)) if on]
         return " ".join(parts or ["single"]) + "".join(" " + f for f in flags)
@@ -273,7 +278,8 @@ class JobConfig:
 
     def _check_numbers(self) -> None:
         at_least_one = {"--nproc": self.nproc, "--steps": self.steps, "--global-batch": self.global_batch,
-                        "--log-every": self.log_every, "--tp": self.tp, "--dp-replicate": self.dp_replicate}
+                        "--log-every": self.log_every, "--tp": self.tp, "--cp": self.cp,
+                        "--dp-replicate": self.dp_replicate}
         bad = [f"{k} {v}" for k, v in at_least_one.items() if v < 1]
         if bad:
             raise ConfigError(f"must be at least 1: {', '.join(bad)}")
@@ -311,13 +317,20 @@ class JobConfig:
             verb = "shard" if len(used) > 1 else "shards"
             raise ConfigError(f"{' and '.join(used)} {verb} over the tensor-parallel axis: "
                               f"use --tp > 1 (got --tp 1)")
-        if tp > 1 and dims.dp_replicate > 1 and dims.dp_shard == 1:
+        if tp > 1 and dims.dp_replicate > 1 and dims.dp_shard * dims.cp == 1:
             raise ConfigError(
                 f"--dp-replicate {dims.dp_replicate} with --tp {tp} needs --dp-shard > 1 (HSDP): replicated data "
                 f"parallelism (DDP) takes plain parameters, not tensor-parallel ones"
             )
         if self.sequence_parallel and self.seq_len % tp:
             raise ConfigError(f"--seq-len {self.seq_len} is not divisible by --tp {tp} (needed by --sequence-parallel)")
+        if dims.cp > 1 and self.seq_len % (2 * dims.cp):
+            raise ConfigError(f"--seq-len {self.seq_len} is not divisible by 2 x --cp {dims.cp} = {2 * dims.cp}: context "
+                              f"parallelism deals each sequence to the cp ranks in 2 x cp equal chunks (load-balanced "
+                              f"causal attention)")
+        if dims.cp > 1 and self.sequence_parallel and (self.seq_len // dims.cp) % tp:
+            raise ConfigError(f"--seq-len {self.seq_len} / --cp {dims.cp} is not divisible by --tp {tp} (needed by "
+                              f"--sequence-parallel on each cp rank's part of the sequence)")
 
     def _check_checkpointing(self) -> None:
         if self.checkpoint_every is not None and self.checkpoint_every < 1:

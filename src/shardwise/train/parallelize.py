@@ -6,6 +6,11 @@
 3. Data parallelism over the dp axes, chosen from the degrees as torchtitan does:
    dp_shard > 1 -> FSDP (``fully_shard`` per block, then the root), on a (dp_replicate,
    dp_shard) mesh when dp_replicate > 1 too (HSDP); dp_replicate only -> ``replicate`` (DDP).
+   With context parallelism (cp > 1) FSDP shards over the flattened ``dp_shard_cp`` axis: the cp
+   ranks hold the same parameters and their gradients (each from its part of the sequences)
+   are averaged over it with the data-parallel ones. The model code is unchanged: the trainer
+   runs each step inside ``context_parallel`` (inputs, labels and the rotary table sharded along
+   the sequence, attention as ring attention over the cp axis).
 
 The order matters: FSDP shards whatever parameters it finds, so it must come after TP has
 turned them into tp-sharded DTensors (FSDP then adds its own axis), and after checkpointing
@@ -100,14 +105,15 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, world_mesh, options:
         >>> dims = ParallelDims(dp_shard=2, tp=2, world_size=4)
         >>> parallelize_llama(Transformer(args), dims, dims.build_mesh(), ParallelOptions(sequence_parallel=True))
     """
-    needs_api = dims.tp_enabled or dims.dp_enabled
+    needs_api = dims.tp_enabled or dims.dp_enabled or dims.cp_enabled
     api = api or (shardwise_api() if needs_api else None)
     if dims.tp_enabled:
         apply_tp(model, world_mesh["tp"], options.sequence_parallel, options.loss_parallel, api)
     if options.activation_checkpointing:
         apply_ac(model)
-    if dims.dp_shard_enabled:
-        axes = ("dp_replicate", "dp_shard") if dims.dp_replicate_enabled else "dp_shard"
+    if dims.fsdp_enabled:
+        shard = "dp_shard_cp" if dims.cp_enabled else "dp_shard"
+        axes = ("dp_replicate", shard) if dims.dp_replicate_enabled else shard
         apply_fsdp(model, world_mesh[axes], options.mixed_precision, api)
     elif dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"], api)
@@ -143,7 +149,7 @@ def build_llama(args: ModelArgs, dims: ParallelDims, world_mesh, options: Parall
 
 def fsdp_applies_mixed_precision(dims: ParallelDims) -> bool:
     """Whether FSDP casts parameters for this layout (else the trainer autocasts the forward)."""
-    return dims.dp_shard_enabled
+    return dims.fsdp_enabled
 
 
 # ---------------------------------------------------------------------- tensor parallelism

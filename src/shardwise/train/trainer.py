@@ -86,6 +86,19 @@ class Runtime:
     def dp_rank(self) -> int:
         return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
 
+    @property
+    def cp_mesh(self):
+        """1-D mesh of the context-parallel ranks (one sequence's parts), or None without cp."""
+        return self.world_mesh["cp"] if self.world_mesh is not None and self.dims.cp_enabled else None
+
+    @property
+    def loss_mesh(self):
+        """1-D mesh the loss is averaged over: ``dp_cp`` (data and context ranks; every rank holds
+        the same number of tokens), or None when there is nothing to average."""
+        if self.cp_mesh is not None:
+            return self.world_mesh["dp_cp"]
+        return self.dp_mesh
+
     @classmethod
     def create(cls, job: JobConfig) -> "Runtime":
         """Join the process group of the launcher (if any) and build the meshes."""
@@ -189,7 +202,12 @@ def build_model(job: JobConfig, runtime: Runtime) -> torch.nn.Module:
     sw_random.manual_seed(job.seed)
     options = ParallelOptions(job.sequence_parallel, job.loss_parallel,
                               job.activation_checkpointing, job.mixed_precision)
-    return build_llama(job.model_args(), runtime.dims, runtime.world_mesh, options, runtime.device)
+    model = build_llama(job.model_args(), runtime.dims, runtime.world_mesh, options, runtime.device)
+    if runtime.cp_mesh is not None:
+        # The rotary table is sharded along the sequence with the inputs at every step: it must
+        # cover exactly one sequence (positions 0 .. seq_len-1) so each part keeps its global positions.
+        model.rotary = model.rotary[:job.seq_len].clone()
+    return model
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -197,9 +215,17 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def _step_context(job: JobConfig, runtime: Runtime) -> contextlib.AbstractContextManager:
-    """loss_parallel for vocabulary-sharded logits; bf16 autocast when FSDP does not cast."""
+def _step_context(job: JobConfig, runtime: Runtime, model: torch.nn.Module, inputs: torch.Tensor,
+                  labels: torch.Tensor) -> contextlib.AbstractContextManager:
+    """context_parallel over the cp axis (inputs, labels and the rotary table sharded along the
+    sequence; inputs and labels keep their part); loss_parallel for vocabulary-sharded logits;
+    bf16 autocast when FSDP does not cast."""
     stack = contextlib.ExitStack()
+    if runtime.cp_mesh is not None:
+        from shardwise.parallel import context_parallel
+
+        stack.enter_context(context_parallel(runtime.cp_mesh, buffers=[inputs, labels, model.rotary],
+                                             seq_dims=[1, 1, 0], no_restore_buffers={inputs, labels}))
     if job.loss_parallel:
         from shardwise.parallel import loss_parallel
 
@@ -264,14 +290,14 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
     checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.last_step, job.resume)
     first = _restore(job, runtime, checkpointer, state)
     data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
-    metrics = RunMetrics(job.global_batch * job.seq_len, job.steps, runtime.dp_mesh, runtime.flat_mesh,
+    metrics = RunMetrics(job.global_batch * job.seq_len, job.steps, runtime.loss_mesh, runtime.flat_mesh,
                          runtime.device, runtime.rank)
     finite = _FiniteCheck(runtime.flat_mesh, runtime.device)
     metrics.start()
     for step in range(first, job.last_step):
         progress.step = step + 1
         inputs, labels = (t.to(runtime.device) for t in data.batch_at(step))
-        with _step_context(job, runtime):
+        with _step_context(job, runtime, model, inputs, labels):
             loss = loss_fn(model(inputs), labels)
             loss.backward()
         if job.max_norm > 0:
