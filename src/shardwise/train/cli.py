@@ -27,7 +27,7 @@ import os
 import sys
 
 from shardwise.launch import main_or_launch, under_launcher
-from shardwise.train.config import CONFIGS, ConfigError, JobConfig, describe_config, is_lead_process
+from shardwise.train.config import COMPILE_BACKENDS, CONFIGS, ConfigError, JobConfig, describe_config, is_lead_process
 from shardwise.train.run_lock import RunLockError, hold_for_run
 
 __all__ = ["build_parser", "job_from_argv", "main", "EXIT_BAD_JOB"]
@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="weights and data order")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     p.add_argument("--mixed-precision", action="store_true", help="bf16 params/activations, fp32 gradient reduce")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block after parallelizing (communication in the graph)")
+    p.add_argument("--compile-backend", default=d.compile_backend, choices=COMPILE_BACKENDS,
+                   help="backend for --compile")
     p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"),
                    help="auto: cuda when a GPU is visible, else cpu")
     p.add_argument("--collective-timeout", type=float, metavar="SECONDS", default=d.collective_timeout,

@@ -123,6 +123,9 @@ CONFIG_NOTES: dict[str, str] = {
 }
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
 def params_label(count: int) -> str:
     """A parameter count as the trainer prints it: ``3.28M``, ``8.03B``."""
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
@@ -160,6 +163,9 @@ class JobConfig:
         seed: seeds the weights and the data order (same for every layout).
         activation_checkpointing: recompute each block's activations in backward.
         mixed_precision: bf16 parameters and activations, fp32 gradient reduction.
+        compile: ``torch.compile`` each transformer block after parallelizing it (the block's
+            ops and collectives become one graph; data-parallel hooks run between graphs).
+        compile_backend: the ``torch.compile`` backend for ``compile`` (inductor, aot_eager, eager).
         device: "cpu", "cuda", or "auto" (cuda when available).
         log_every: steps between progress lines.
         plot: write the loss curve to this PNG file.
@@ -190,6 +196,8 @@ class JobConfig:
     seed: int = 0
     activation_checkpointing: bool = False
     mixed_precision: bool = False
+    compile: bool = False
+    compile_backend: str = "inductor"
     device: str = "auto"
     log_every: int = 1
     plot: str | None = None
@@ -255,7 +263,8 @@ class JobConfig:
         dims = self.parallel_dims()
         parts = [f"{n}={getattr(dims, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1]
         flags = [f for f, on in (("+sp", self.sequence_parallel), ("+loss_parallel", self.loss_parallel),
-                                 ("+ac", self.activation_checkpointing), ("+bf16", self.mixed_precision)) if on]
+                                 ("+ac", self.activation_checkpointing), ("+bf16", self.mixed_precision),
+                                 ("+compile", self.compile)) if on]
         return " ".join(parts or ["single"]) + "".join(" " + f for f in flags)
 
     def as_dict(self) -> dict:
@@ -274,7 +283,15 @@ class JobConfig:
         self._check_corpus()
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        self._check_compile()
         return self
+
+    def _check_compile(self) -> None:
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ConfigError(f"--compile-backend must be one of {', '.join(COMPILE_BACKENDS)}, got {self.compile_backend!r}")
+        if self.compile and self.cp > 1:
+            raise ConfigError("--compile with --cp is not supported yet: ring attention's point-to-point exchange "
+                              "is not traceable; drop --compile or --cp")
 
     def _check_numbers(self) -> None:
         at_least_one = {"--nproc": self.nproc, "--steps": self.steps, "--global-batch": self.global_batch,

@@ -2,7 +2,8 @@
 
 1. Tensor (and sequence) parallelism over the "tp" mesh axis: ``parallelize_module`` with plan
    dicts keyed by module path (``tp_plans``). Parameters become DTensors sharded over tp.
-2. Activation checkpointing per transformer block (recompute its activations in backward).
+2. Activation checkpointing per transformer block (recompute its activations in backward),
+   then, with ``--compile``, ``torch.compile`` per block.
 3. Data parallelism over the dp axes, chosen from the degrees as torchtitan does:
    dp_shard > 1 -> FSDP (``fully_shard`` per block, then the root), on a (dp_replicate,
    dp_shard) mesh when dp_replicate > 1 too (HSDP); dp_replicate only -> ``replicate`` (DDP).
@@ -36,7 +37,7 @@ from shardwise.train.config import ModelArgs
 from shardwise.train.model import Transformer
 
 __all__ = ["ParallelAPI", "shardwise_api", "ParallelOptions", "parallelize_llama", "build_llama", "tp_plans",
-           "apply_tp", "apply_ac", "apply_fsdp", "apply_ddp"]
+           "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "apply_ddp"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class ParallelOptions:
     loss_parallel: bool = False
     activation_checkpointing: bool = False
     mixed_precision: bool = False
+    compile_backend: str | None = None  # torch.compile each block with this backend (None: eager)
 
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, world_mesh, options: ParallelOptions,
@@ -111,6 +113,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, world_mesh, options:
         apply_tp(model, world_mesh["tp"], options.sequence_parallel, options.loss_parallel, api)
     if options.activation_checkpointing:
         apply_ac(model)
+    if options.compile_backend is not None:
+        apply_compile(model, options.compile_backend)
     if dims.fsdp_enabled:
         shard = "dp_shard_cp" if dims.cp_enabled else "dp_shard"
         axes = ("dp_replicate", shard) if dims.dp_replicate_enabled else shard
@@ -205,6 +209,15 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
     api.parallelize_module(model, tp_mesh, root)
     for layer in model.layers.values():
         api.parallelize_module(layer, tp_mesh, block)
+
+
+# ---------------------------------------------------------------------- compilation
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """``torch.compile`` every transformer block in place, after TP and checkpointing, before
+    data parallelism (as torchtitan orders them): each block's ops, layout decisions and TP
+    collectives become one graph; FSDP's and DDP's hooks run eagerly at its boundaries."""
+    for block in model.layers.values():
+        block.compile(backend=backend)
 
 
 # ---------------------------------------------------------------------- activation checkpointing

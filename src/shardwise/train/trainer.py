@@ -200,8 +200,8 @@ def build_model(job: JobConfig, runtime: Runtime) -> torch.nn.Module:
     (``build_llama``), and no rank ever allocates more than its own shards.
     """
     sw_random.manual_seed(job.seed)
-    options = ParallelOptions(job.sequence_parallel, job.loss_parallel,
-                              job.activation_checkpointing, job.mixed_precision)
+    options = ParallelOptions(job.sequence_parallel, job.loss_parallel, job.activation_checkpointing,
+                              job.mixed_precision, job.compile_backend if job.compile else None)
     model = build_llama(job.model_args(), runtime.dims, runtime.world_mesh, options, runtime.device)
     if runtime.cp_mesh is not None:
         # The rotary table is sharded along the sequence with the inputs at every step: it must
