@@ -173,7 +173,9 @@ def build_job(lib: str, mode: str, args, meshes: dict, data) -> Job:
     dim_kwargs, opt_kwargs = MODES[mode]
     dims, sw_mesh, t_mesh = meshes[mode]
     api = shardwise_api() if lib == "shardwise" else torch_api()
-    torch.manual_seed(0)
+    import shardwise.random
+
+    shardwise.random.manual_seed(0)  # restarts shardwise's stream too: every build has the same weights
     model = Transformer(get_model_args(args.config))
     options = ParallelOptions(**opt_kwargs)
     parallelize_llama(model, dims, sw_mesh if lib == "shardwise" else t_mesh, options, api)

@@ -55,12 +55,15 @@ Packed = tuple
 
 
 def pack(value: Any) -> Packed:
-    """Primitives for an optional placement sequence, dtype, or registered constant."""
+    """Primitives for an optional placement (or sequence of placements and Nones), dtype, or
+    registered constant."""
     if value is None:
         return ()
     if isinstance(value, torch.dtype):
         return ("dtype", str(value).removeprefix("torch."))
-    if isinstance(value, (tuple, list)) and all(isinstance(p, Placement) for p in value):
+    if isinstance(value, Placement):
+        return ("placement", _pack_placement(value))
+    if isinstance(value, (tuple, list)) and all(p is None or isinstance(p, Placement) for p in value):
         return ("placements", tuple(_pack_placement(p) for p in value))
     return ("value", value)
 
@@ -72,12 +75,16 @@ def unpack(packed: Packed) -> Any:
     kind, body = packed
     if kind == "dtype":
         return getattr(torch, body)
+    if kind == "placement":
+        return _unpack_placement(body)
     if kind == "placements":
         return tuple(_unpack_placement(p) for p in body)
     return body
 
 
-def _pack_placement(p: Placement) -> tuple:
+def _pack_placement(p: Placement | None) -> tuple:
+    if p is None:
+        return ("none",)
     if p.is_shard():
         return ("shard", p.dim)
     if p.is_partial():
@@ -85,8 +92,10 @@ def _pack_placement(p: Placement) -> tuple:
     return ("replicate",)
 
 
-def _unpack_placement(packed: tuple) -> Placement:
+def _unpack_placement(packed: tuple) -> Placement | None:
     kind = packed[0]
+    if kind == "none":
+        return None
     if kind == "shard":
         return Shard(packed[1])
     if kind == "partial":

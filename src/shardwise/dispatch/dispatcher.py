@@ -99,7 +99,10 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     coarse = func in _SIGN_ONLY
     key = (func, _key(args, dtensors, DTensor, coarse),
            _key(kwargs.values(), dtensors, DTensor, coarse) + tuple(kwargs) if kwargs else (), _IMPLICIT[0])
-    plan = _CACHE.get(key)
+    try:
+        plan = _CACHE.get(key)
+    except TypeError:  # an unhashable argument: a symbolic size from torch.compile(dynamic=True)
+        raise UnsupportedOp(f"{render_call(func, args, kwargs)}: {_SYMBOLIC}") from None
     if plan is None:
         plan = _with_positions(_propagate(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
         _CACHE[key] = plan
@@ -116,6 +119,11 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     # builds the same ones: they are replicated values, and are taken as such.
     with implicit_replication():  # a fresh context each time: decompositions nest
         return plan.handler(*args, **kwargs)
+
+
+_SYMBOLIC = ("symbolic (dynamic) shapes reached the DTensor dispatcher, which decides layouts for "
+             "concrete shapes: compile DTensor programs with torch.compile(..., dynamic=False), or mark no "
+             "dimension dynamic")
 
 
 def _with_positions(plan: OutputPlan, func, args: tuple, kwargs: dict, count: int) -> OutputPlan:

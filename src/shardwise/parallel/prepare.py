@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from shardwise.compile import opaque
+from shardwise.compile import Packed, opaque, pack, unpack
 from shardwise.mesh import DeviceMesh
 from shardwise.parallel.style import ParallelStyle, from_layout, to_layout
 from shardwise.placement import Placement
@@ -74,31 +74,43 @@ class PrepareModuleInput(ParallelStyle):
         self.use_local_output = use_local_output
 
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(opaque(self._make_hook(mesh)), with_kwargs=True)
+        module.register_forward_pre_hook(self._make_hook(mesh), with_kwargs=True)
         return module
 
     def _make_hook(self, mesh: DeviceMesh):
-        given, desired = self.input_layouts, self.desired_input_layouts
-        kw_given, kw_desired = self.input_kwarg_layouts, self.desired_input_kwarg_layouts
-        local = self.use_local_output
-
-        def convert(value: Any, g: Placement | None, d: Placement | None) -> Any:
-            moved = to_layout(value, mesh, g, d)
-            return from_layout(moved, mesh, None, local) if g is not None else moved
+        given, desired = pack(self.input_layouts), pack(self.desired_input_layouts)
+        keys = tuple(sorted(self.input_kwarg_layouts))
+        kw_given = pack(tuple(self.input_kwarg_layouts[k] for k in keys))
+        kw_desired = pack(tuple(self.desired_input_kwarg_layouts[k] for k in keys))
+        local, count = self.use_local_output, len(self.input_layouts)
 
         def hook(mod, args, kwargs):
-            if len(args) < len(given):
+            if len(args) < count:
                 raise ValueError(
-                    f"PrepareModuleInput on {type(mod).__name__}: layouts given for {len(given)} positional "
+                    f"PrepareModuleInput on {type(mod).__name__}: layouts given for {count} positional "
                     f"inputs, but the module was called with {len(args)}"
                 )
-            new_args = tuple(
-                convert(a, given[i], desired[i]) if i < len(given) else a for i, a in enumerate(args)
-            )
-            new_kwargs = {k: convert(v, kw_given.get(k), kw_desired.get(k)) for k, v in kwargs.items()}
-            return new_args, new_kwargs
+            return _prepare_inputs(args, kwargs, mesh, given, desired, keys, kw_given, kw_desired, local)
 
         return hook
+
+
+def _convert(value: Any, mesh: DeviceMesh, given: Placement | None, desired: Placement | None, local: bool) -> Any:
+    moved = to_layout(value, mesh, given, desired)
+    return from_layout(moved, mesh, None, local) if given is not None else moved
+
+
+@opaque
+def _prepare_inputs(args: tuple, kwargs: dict, mesh: DeviceMesh, given: Packed, desired: Packed,
+                    keys: tuple[str, ...], kw_given: Packed, kw_desired: Packed, local: bool) -> tuple:
+    """PrepareModuleInput's work (one opaque call under torch.compile, no module argument)."""
+    given, desired = unpack(given), unpack(desired)
+    kw_given, kw_desired = dict(zip(keys, unpack(kw_given) or ())), dict(zip(keys, unpack(kw_desired) or ()))
+    new_args = tuple(
+        _convert(a, mesh, given[i], desired[i], local) if i < len(given) else a for i, a in enumerate(args)
+    )
+    new_kwargs = {k: _convert(v, mesh, kw_given.get(k), kw_desired.get(k), local) for k, v in kwargs.items()}
+    return new_args, new_kwargs
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -113,24 +125,32 @@ class PrepareModuleOutput(ParallelStyle):
         self.use_local_output = use_local_output
 
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        given, desired, local = self.output_layouts, self.desired_output_layouts, self.use_local_output
+        given, desired, local = pack(self.output_layouts), pack(self.desired_output_layouts), self.use_local_output
+        count = len(self.output_layouts)
 
         def hook(mod, inputs, out):
             single = not isinstance(out, tuple)
             outs = (out,) if single else out
-            if len(outs) != len(given):
+            if len(outs) != count:
                 raise ValueError(
-                    f"PrepareModuleOutput on {type(mod).__name__}: layouts given for {len(given)} outputs, "
+                    f"PrepareModuleOutput on {type(mod).__name__}: layouts given for {count} outputs, "
                     f"but the module returned {len(outs)}"
                 )
-            moved = tuple(
-                from_layout(to_layout(o, mesh, g, d), mesh, None, local) if g is not None else o
-                for o, g, d in zip(outs, given, desired)
-            )
+            moved = _prepare_outputs(outs, mesh, given, desired, local)
             return moved[0] if single else moved
 
-        module.register_forward_hook(opaque(hook))
+        module.register_forward_hook(hook)
         return module
+
+
+@opaque
+def _prepare_outputs(outs: tuple, mesh: DeviceMesh, given: Packed, desired: Packed, local: bool) -> tuple:
+    """PrepareModuleOutput's work (one opaque call under torch.compile, no module argument)."""
+    given, desired = unpack(given), unpack(desired)
+    return tuple(
+        from_layout(to_layout(o, mesh, g, d), mesh, None, local) if g is not None else o
+        for o, g, d in zip(outs, given, desired)
+    )
 
 
 class PrepareModuleInputOutput(ParallelStyle):

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from shardwise.compile import opaque, tracing
+from shardwise.compile import Packed, opaque, pack, tracing, unpack
 from shardwise.api import distribute_tensor
 from shardwise.dtensor import DTensor
 from shardwise.mesh import DeviceMesh
@@ -66,6 +66,29 @@ def from_layout(value: Any, mesh: DeviceMesh, desired: Placement | None, use_loc
     if desired is not None and value._spec.placements != (desired,):
         value = value.redistribute(mesh, [desired])
     return value.to_local() if use_local_output else value
+
+
+# The hooks' work, as opaque calls under torch.compile (shardwise/compile.py). They take no
+# module and no per-module closure, so every block of a model shares one compiled graph.
+@opaque
+def _linear_inputs(inputs: tuple, mesh: DeviceMesh, given: Packed, desired: Packed, features: int) -> tuple:
+    """A Linear's input moved to ``desired`` (``features``: its in_features, -1 if unknown)."""
+    given, desired = unpack(given), unpack(desired)
+    x = inputs[0]
+    # A Linear's input has in_features features however unevenly its blocks split them.
+    shape = _with_global_size(x, mesh, given, -1, features) if features >= 0 else None
+    return (to_layout(x, mesh, given, desired, shape), *inputs[1:])
+
+
+@opaque
+def _sequence_inputs(inputs: tuple, mesh: DeviceMesh, shard: Packed) -> tuple:
+    shard = unpack(shard)
+    return tuple(to_layout(x, mesh, shard, shard) for x in inputs)
+
+
+@opaque
+def _output(out: Any, mesh: DeviceMesh, desired: Packed, use_local_output: bool) -> Any:
+    return from_layout(out, mesh, unpack(desired), use_local_output)
 
 
 def _one(layout: Placement | Sequence[Placement] | None, what: str) -> Placement | None:
@@ -194,17 +217,17 @@ class _LinearPair(ParallelStyle):
 
         features = module.in_features if isinstance(module, nn.Linear) else None
 
+        given, desired, output = pack(given), pack(desired), pack(output)
+        features = -1 if features is None else features
+
         def before(mod, inputs):
-            x = inputs[0]
-            # A Linear's input has in_features features however unevenly its blocks split them.
-            shape = _with_global_size(x, mesh, given, -1, features) if features is not None else None
-            return (to_layout(x, mesh, given, desired, shape), *inputs[1:])
+            return _linear_inputs(inputs, mesh, given, desired, features)
 
         def after(mod, inputs, out):
-            return from_layout(out, mesh, output, local)
+            return _output(out, mesh, output, local)
 
-        module.register_forward_pre_hook(opaque(before))
-        module.register_forward_hook(opaque(after))
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
 
 
 class ColwiseParallel(_LinearPair):
@@ -311,20 +334,20 @@ class SequenceParallel(ParallelStyle):
             for name, param in list(submodule.named_parameters(recurse=False)):
                 if not isinstance(param, DTensor):
                     _shard_parameter(submodule, name, mesh, Replicate(), self.src_data_rank)
-        shard, local = Shard(self.sequence_dim), self.use_local_output
+        shard, local = pack(Shard(self.sequence_dim)), self.use_local_output
         unchecked = [self.check_plain_inputs]  # cleared by the first call
 
         def before(mod, inputs):
             if unchecked[0] and not tracing():  # needs data: eager only (see shardwise/compile.py)
                 unchecked[0] = False
                 _refuse_replicated_plain_inputs(mod, inputs, mesh, self.sequence_dim)
-            return tuple(to_layout(x, mesh, shard, shard) for x in inputs)
+            return _sequence_inputs(inputs, mesh, shard)
 
         def after(mod, inputs, out):
-            return from_layout(out, mesh, shard, local)
+            return _output(out, mesh, shard, local)
 
-        module.register_forward_pre_hook(opaque(before))
-        module.register_forward_hook(opaque(after))
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
         return module
 
 

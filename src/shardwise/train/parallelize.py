@@ -215,9 +215,10 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
 def apply_compile(model: nn.Module, backend: str) -> None:
     """``torch.compile`` every transformer block in place, after TP and checkpointing, before
     data parallelism (as torchtitan orders them): each block's ops, layout decisions and TP
-    collectives become one graph; FSDP's and DDP's hooks run eagerly at its boundaries."""
+    collectives become one graph; FSDP's and DDP's hooks run eagerly at its boundaries.
+    Shapes are static (``dynamic=False``): layouts are decided per shape at trace time."""
     for block in model.layers.values():
-        block.compile(backend=backend)
+        block.compile(backend=backend, dynamic=False)
 
 
 # ---------------------------------------------------------------------- activation checkpointing

@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""torch.compile benchmark: the trainer's model, eager and compiled, shardwise and torch, in one run.
+
+    python benchmarks/compile.py                 # tiny config, modes tp, fsdp, fsdp_tp, 4 CPU ranks
+    python benchmarks/compile.py --config debug --reps 6 --backend inductor
+
+For every mode the same model and plan (``benchmarks/train_step.py``'s modes and builders) is
+built three times: shardwise eager, shardwise with every block compiled, and torch's own
+DTensor/FSDP2 with every block compiled (``block.compile(backend=...)`` after parallelizing,
+the torchtitan pattern). Reported per mode:
+
+* median step time (forward, loss, backward, AdamW) of each, slowest rank, repetitions
+  interleaved; ratios compiled/eager and shardwise/torch (compiled);
+* compile time: the first step's time minus the median step;
+* collectives per step, counted by torch's CommDebugMode (a dispatch mode that sees c10d and
+  functional collectives alike, eager or issued from compiled code);
+* agreement of the losses of the three (same weights, same data).
+
+A last row measures compiled per-op overhead: the same 24-op elementwise/matmul chain compiled
+once on DTensor blocks and once on plain tensors (each rank alone, no communication): the
+DTensor program's compiled step over the plain one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from shardwise.launch import close_process_group, main_or_launch
+
+NPROC = 4
+MODES = ("tp", "fsdp", "fsdp_tp")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="tiny", help="model shapes (default tiny)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, among {', '.join(MODES)}")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per variant and mode")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--show-losses", action="store_true", help="print every variant's losses")
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    return args
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.args, self.torch, self.dist = args, torch, dist
+        self.rank = dist.get_rank()
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def slowest(self, value: float) -> float:
+        t = self.torch.tensor([value], dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t)
+
+    def jobs(self, mode: str, meshes: dict, data) -> dict:
+        from train_step import build_job
+
+        from shardwise.train.parallelize import apply_compile
+
+        out = {"sw eager": build_job("shardwise", mode, self.args, meshes, data)}
+        for name, lib in (("sw compiled", "shardwise"), ("torch compiled", "torch")):
+            job = build_job(lib, mode, self.args, meshes, data)
+            apply_compile(job.model, self.args.backend)
+            out[name] = job
+        return out
+
+    def collectives(self, job, i: int) -> int:
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        with CommDebugMode() as comm:
+            job.step(i)
+        return comm.get_total_counts()
+
+    def measure(self, mode: str, meshes: dict, data) -> dict:
+        jobs = self.jobs(mode, meshes, data)
+        first, failed = {}, {}
+        for name, job in list(jobs.items()):  # the first step compiles
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            error = ""
+            try:
+                job.record_loss(job.step(0))
+            except Exception as err:  # every rank fails alike (same program); reported, not fatal
+                error = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
+            if self.slowest(float(bool(error))):
+                failed[name] = error or "failed on another rank"
+                del jobs[name]
+                continue
+            first[name] = self.slowest(time.perf_counter() - t0)
+        counts = {name: self.collectives(job, 1) for name, job in jobs.items()}
+        for name, job in jobs.items():
+            job.record_loss(job.step(2))
+        order = list(jobs.items())
+        for i in range(self.args.reps):
+            for name, job in (order if i % 2 == 0 else order[::-1]):
+                self.dist.barrier()
+                t0 = time.perf_counter()
+                loss = job.step(3 + i)
+                job.times.append(self.slowest(time.perf_counter() - t0))
+                job.record_loss(loss)
+        median = {name: statistics.median(job.times) for name, job in jobs.items()}
+        base = jobs["sw eager"].losses
+        diff = max(max(abs(a - b) / abs(b) for a, b in zip(job.losses, base)) for job in jobs.values())
+        if self.rank == 0 and self.args.show_losses:
+            for name, job in jobs.items():
+                print(f"    {mode} {name}: {[round(x, 5) for x in job.losses]}")
+        return {"median": median, "compile": {n: first[n] - median[n] for n in jobs}, "counts": counts, "diff": diff,
+                "failed": failed}
+
+    def overhead(self) -> tuple[float, float]:
+        """Compiled 24-op chain: DTensor blocks vs plain tensors (medians, seconds)."""
+        import shardwise as sw
+        from shardwise import Replicate
+
+        torch = self.torch
+        world = sw.init_device_mesh("cpu", (NPROC,))
+
+        def chain(x, w):
+            for _ in range(8):
+                x = torch.tanh(x @ w) * 0.5 + x
+            return x
+
+        torch.manual_seed(0)
+        x, w = torch.randn(64, 64), torch.randn(64, 64) / 8
+        dx, dw = (sw.distribute_tensor(t, world, [Replicate()]) for t in (x, w))
+        torch._dynamo.reset()
+        plain = torch.compile(chain, backend=self.args.backend, dynamic=False)
+        dist_fn = torch.compile(chain, backend=self.args.backend, dynamic=False)
+        out = {}
+        for name, fn, args in (("plain", plain, (x, w)), ("dtensor", dist_fn, (dx, dw))):
+            for _ in range(3):
+                fn(*args)
+        for name, fn, args in (("plain", plain, (x, w)), ("dtensor", dist_fn, (dx, dw))):
+            samples = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    fn(*args)
+                samples.append((time.perf_counter() - t0) / 200)
+            out[name] = statistics.median(samples)
+        return out["plain"], out["dtensor"]
+
+    def run(self) -> int:
+        from train_step import torch_mesh
+
+        from shardwise.parallel import ParallelDims
+        from shardwise.train.config import get_model_args
+        from shardwise.train.data import BatchSource, load_corpus
+
+        a = self.args
+        self.say(f"compile: config {a.config!r} ({get_model_args(a.config).num_params() / 1e6:.2f}M params), "
+                 f"{NPROC} ranks (gloo, CPU), backend {a.backend}, batch {a.global_batch} x {a.seq_len}, "
+                 f"{a.reps} timed steps per variant")
+        import train_step
+
+        rows = []
+        for mode in a.modes:
+            self.torch._dynamo.reset()
+            dims = ParallelDims(world_size=NPROC, **train_step.MODES[mode][0])
+            sw_mesh = dims.build_mesh("cpu")
+            meshes = {mode: (dims, sw_mesh, torch_mesh(dims))}
+            dp_rank = sw_mesh["dp"].get_local_rank() if dims.dp_enabled else 0
+            data = BatchSource(load_corpus(), a.global_batch, a.seq_len, 0, dims.dp_degree, dp_rank)
+            rows.append((mode, self.measure(mode, meshes, data)))
+            self.say(f"  measured {mode}")
+        plain, dtensor = self.overhead()
+        if self.rank == 0:
+            self.report(rows, plain, dtensor)
+        return 0
+
+    def report(self, rows: list, plain: float, dtensor: float) -> None:
+        names = ("sw eager", "sw compiled", "torch compiled")
+        head = (f"{'mode':<8} " + " ".join(f"{n + ' s':>17}" for n in names)
+                + f" {'sw compiled/eager':>17} {'sw/torch compiled':>17}   collectives/step (sw eager, sw compiled, "
+                  "torch compiled)   compile s (sw, torch)   loss rel diff")
+        print("\n" + head + "\n" + "-" * len(head))
+        nan = float("nan")
+        for mode, r in rows:
+            m, c, k = r["median"], r["counts"], r["compile"]
+            t = {n: m.get(n, nan) for n in names}
+            print(f"{mode:<8} " + " ".join(f"{t[n]:>17.4f}" for n in names)
+                  + f" {t['sw compiled'] / t['sw eager']:>17.2f} {t['sw compiled'] / t['torch compiled']:>17.2f}"
+                  + "   " + " ".join(f"{c.get(n, '-'):>4}" for n in names)
+                  + f"{'':>28}{k.get('sw compiled', nan):>6.1f} {k.get('torch compiled', nan):>6.1f}   {r['diff']:.1e}")
+            for name, error in r["failed"].items():
+                print(f"         !! {name} failed: {error}")
+        print(f"\ncompiled 24-op chain per call: plain {plain * 1e6:.1f} us, DTensor {dtensor * 1e6:.1f} us, "
+              f"ratio {dtensor / plain:.3f} (goal <= 1.05)")
+
+
+def worker() -> int:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    torch._dynamo.config.cache_size_limit = 64  # both libraries' blocks share TransformerBlock.forward's code
+    args = parse_args(sys.argv[1:])
+    dist.init_process_group("gloo")
+    status = Bench(args).run()
+    close_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    parse_args(sys.argv[1:])  # --help and bad flags answer once, before any worker starts
+    main_or_launch(worker, NPROC)
