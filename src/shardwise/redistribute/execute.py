@@ -17,7 +17,9 @@ from shardwise import blocks, comm
 from shardwise import mesh as mesh_module
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, Replicate, Shard
+from shardwise.redistribute.bound import coordinates, intersect, needs_value
 from shardwise.redistribute.cross_mesh import plan_cross_mesh
+from shardwise.redistribute.exchange import plan_exchange
 from shardwise.redistribute.plan import Plan, Step, plan_redistribute
 from shardwise.spec import DTensorSpec, local_shape_and_offset
 
@@ -28,12 +30,8 @@ def plan_for(src: DTensorSpec, dst: DTensorSpec) -> Plan:
     """The (cached) plan taking a tensor laid out as ``src`` to ``dst``."""
     meta = src.tensor_meta
     itemsize = torch.empty((), dtype=meta.dtype).element_size()
-    flattened = flattened_groups(src.mesh) if _partial_axes(src) > 1 else ()
+    flattened = flattened_groups(src.mesh) if src.mesh.ndim > 1 else ()
     return plan_redistribute(meta.shape, itemsize, src.mesh.shape, src.placements, dst.placements, flattened)
-
-
-def _partial_axes(spec: DTensorSpec) -> int:
-    return sum(p.is_partial() for p in spec.placements)
 
 
 # (mesh, number of process groups known) -> axis sets whose flattened group exists.
@@ -167,8 +165,86 @@ def _run_step(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple)
     if kind == "reduce_scatter":
         lengths = _lengths(spec, layout, axis, new.dim)
         return comm.reduce_scatter(local, mesh, axis, new.dim, cur.reduce_op, lengths)
+    if step.target:
+        return _run_exchange(local, step, spec, layout)
     if kind == "all_to_all":
         split = _lengths(spec, layout, axis, new.dim)
         cat = _lengths(spec, layout, axis, cur.dim)
         return comm.all_to_all(local, mesh, axis, new.dim, split, cur.dim, cat)
     raise AssertionError(f"unknown redistribute step {step}")
+
+
+def _run_exchange(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple) -> torch.Tensor:
+    """One all_to_all over the step's (flattened) group: send each peer the runs of the boxes
+    the schedule gives it, build this rank's target block from what it keeps and receives."""
+    mesh = spec.mesh
+    shape, mesh_shape = tuple(spec.shape), tuple(mesh.shape)
+    ex = plan_exchange(shape, mesh_shape, layout, step.target)
+    coords = coordinates(mesh_shape)
+    me = coords.index(tuple(mesh.get_coordinate()))
+    axes = step.axes
+    if len(axes) > 1:
+        group_mesh, group_axis = _flat_mesh(mesh, axes), 0
+    else:
+        group_mesh, group_axis = mesh, axes[0]
+    size = math.prod(mesh_shape[a] for a in axes)
+
+    def peer(r: int) -> int:  # index in the (flattened) group, row-major over ``axes``
+        index = 0
+        for a in axes:
+            index = index * mesh_shape[a] + coords[r][a]
+        return index
+
+    mine = [a for a in range(len(mesh_shape)) if a not in axes]
+    in_group = [t for t in ex.transfers if all(coords[t.sender][a] == coords[me][a] for a in mine)]
+    src_offset = local_shape_and_offset(shape, mesh_shape, coords[me], layout)[1]
+    dst_shape, dst_offset = local_shape_and_offset(shape, mesh_shape, coords[me], step.target)
+    out = local.new_empty(dst_shape)
+    own = intersect((src_offset, tuple(local.shape)), (dst_offset, dst_shape))
+    if not needs_value(step.target, coords[me]):  # it still sends what it holds
+        out, own = _identity(out, step.target), None
+    if own is not None:
+        _region(out, dst_offset, own).copy_(_region(local, src_offset, own))
+    send_counts, recv_counts = [0] * size, [0] * size
+    pieces = [[] for _ in range(size)]
+    for t in in_group:
+        if t.sender == me:
+            pieces[peer(t.receiver)].append(_region(local, src_offset, t.box).reshape(-1)[t.start:t.stop])
+            send_counts[peer(t.receiver)] += t.stop - t.start
+        if t.receiver == me:
+            recv_counts[peer(t.sender)] += t.stop - t.start
+    if sum(t.stop - t.start for t in in_group) == 0:
+        return out
+    send = torch.cat([p for ps in pieces for p in ps]) if any(send_counts) else local.new_empty(0)
+    recv = comm.all_to_all_counts(send, send_counts, recv_counts, group_mesh, group_axis)
+    _place(out, dst_offset, recv, [t for t in in_group if t.receiver == me], peer, recv_counts)
+    return out
+
+
+def _place(out, dst_offset, recv, incoming, peer, recv_counts) -> None:
+    """Cut ``recv`` (peers in group order, each peer's transfers in schedule order) into runs and
+    write every box they complete into ``out``."""
+    starts = [sum(recv_counts[:p]) for p in range(len(recv_counts))]
+    runs: dict = {}
+    for t in incoming:  # schedule order within a sender = the order it packed them
+        p = peer(t.sender)
+        n = t.stop - t.start
+        runs.setdefault(t.box, []).append((t.start, recv[starts[p]:starts[p] + n]))
+        starts[p] += n
+    for box, parts in runs.items():
+        flat = torch.cat([run for _, run in sorted(parts, key=lambda x: x[0])])
+        _region(out, dst_offset, box).copy_(flat.view(box[1]))
+
+
+def _region(block: torch.Tensor, offset, box) -> torch.Tensor:
+    """The view of ``block`` (at global ``offset``) covering the global ``box``."""
+    view = block
+    for d, (o, b, n) in enumerate(zip(offset, box[0], box[1])):
+        view = view.narrow(d, b - o, n)
+    return view
+
+
+def _identity(out: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """The block of a rank off coordinate 0 of a Partial target: the reduction's identity."""
+    op = next(p for p in layout if p.is_partial() and p.identity() is not None)
+    return out.fill_(op.identity())
