@@ -50,9 +50,13 @@ Partial targets
     coordinate-0 ranks need data; for avg, max and min every rank holds the value. Other
     decompositions exist (Shard(0) -> Partial(sum) by zero-padding needs no communication at
     all); the bound is stated for this canonical one, which is what the executor produces.
-    An axis Partial in both layouts with the same op keeps its reduction pending: the slices at
-    each coordinate of it are independent transitions of one contribution each, and the bound
-    is theirs (summed, and the maximum for the busiest rank).
+    An axis Partial in both layouts with the same op may keep its reduction pending (the slices
+    at each coordinate of it are then independent transitions of one contribution each: their
+    bounds summed, the maximum for the busiest rank) or reduce it and re-partition (counted as
+    above, the target canonical): a schedule that reduces fewer elements can move less data
+    than one that reduces them all, and the reverse (a reduced value is needed only at
+    coordinate 0). The bound is the smaller of the two accountings, each figure separately;
+    a schedule mixing them element by element is not proven to stay above it.
 """
 
 from __future__ import annotations
@@ -155,8 +159,14 @@ def _bound(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Lay
         copies = math.prod(mesh_shape[a] for a in kept)
         index = {c: i for i, c in enumerate(coordinates([mesh_shape[a] for a in rest]))}
         lacks = tuple(sub.lacks[index[tuple(c[a] for a in rest)]] for c in coordinates(mesh_shape))
-        return Bound(lacks, copies * sub.total, sub.busiest, sub.busiest_any)
-    counts = _count(shape, mesh_shape, src, dst)
+        keep = Bound(lacks, copies * sub.total, sub.busiest, sub.busiest_any)
+        reduce = _from_counts(_count(shape, mesh_shape, src, dst), itemsize)
+        return Bound(tuple(map(min, keep.lacks, reduce.lacks)), min(keep.total, reduce.total),
+                     min(keep.busiest, reduce.busiest), min(keep.busiest_any, reduce.busiest_any))
+    return _from_counts(_count(shape, mesh_shape, src, dst), itemsize)
+
+
+def _from_counts(counts: "_Counts", itemsize: int) -> Bound:
     return Bound(tuple(x * itemsize for x in counts.lacks), counts.total * itemsize,
                  counts.busiest * itemsize, counts.busiest_any * itemsize)
 

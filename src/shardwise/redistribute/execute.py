@@ -148,6 +148,8 @@ def _lengths(spec: DTensorSpec, layout: tuple[Placement, ...], axis: int, dim: i
 def _run_step(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple) -> torch.Tensor:
     mesh, axis, cur, new = spec.mesh, step.axis, step.src, step.dst
     kind = step.collective
+    if step.target:  # an exchange (or a relayout: one that moves nothing)
+        return _run_exchange(local, step, spec, layout)
     if kind == "relabel":
         return local
     if kind == "local_chunk":
@@ -165,8 +167,6 @@ def _run_step(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple)
     if kind == "reduce_scatter":
         lengths = _lengths(spec, layout, axis, new.dim)
         return comm.reduce_scatter(local, mesh, axis, new.dim, cur.reduce_op, lengths)
-    if step.target:
-        return _run_exchange(local, step, spec, layout)
     if kind == "all_to_all":
         split = _lengths(spec, layout, axis, new.dim)
         cat = _lengths(spec, layout, axis, cur.dim)

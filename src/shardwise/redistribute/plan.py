@@ -116,7 +116,7 @@ class Plan:
         return "; ".join(map(str, self.steps)) or "no-op"
 
 
-_FREE = ("local_chunk", "partition", "relabel")
+_FREE = ("local_chunk", "partition", "relabel", "relayout")
 
 
 def plan_redistribute(
@@ -226,11 +226,12 @@ class _Context:
     def exchange(self, layout: Layout, dst: Layout) -> Step | None:
         """The one-all_to_all step from ``layout`` (no Partial) to ``dst``, or None when it moves
         nothing or needs a flattened group that does not exist."""
-        if len({p for p in dst if p.is_partial()}) > 1:
+        if layout == dst or len({p for p in dst if p.is_partial()}) > 1:
             return None  # mixed reductions: the order of partitioning matters, leave it to steps
         ex = plan_exchange(self.shape, self.mesh_shape, layout, dst)
-        if not ex.axes:
-            return None
+        if not ex.axes:  # every rank builds its target block from what it holds
+            changed = next(a for a, (p, q) in enumerate(zip(layout, dst)) if p != q)
+            return Step(changed, layout[changed], dst[changed], "relayout", 0, (), dst)
         if len(ex.axes) == 1:
             group: tuple[int, ...] = ex.axes
         else:
