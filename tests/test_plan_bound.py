@@ -106,8 +106,9 @@ def _replay(shape, mesh_shape, src, dst):
     for r, c in enumerate(coords):
         block = torch.zeros(dst_b[r][1], dtype=x.dtype)
         if needs_value(dst, c):
-            for q in range(len(coords)):  # own data, then every run received
-                _paste(block, dst_b[r], x, src_b[q], only=q == r)
+            own = _overlap(src_b[r], dst_b[r])  # what it holds, then every run it receives
+            if own is not None:
+                _cut_block(block, dst_b[r], own).copy_(_cut(x, own))
             got = {}
             for t in ex.transfers:
                 if t.receiver == r:
@@ -131,16 +132,6 @@ def _inside(box, block):
     return all(b <= o and o + n <= b + m for o, n, b, m in zip(box[0], box[1], block[0], block[1]))
 
 
-def _paste(block, where, x, holder, only):
-    if not only:
-        return
-    lo = [max(a, b) for a, b in zip(where[0], holder[0])]
-    hi = [min(a + n, b + m) for a, n, b, m in zip(where[0], where[1], holder[0], holder[1])]
-    if all(h > l for l, h in zip(lo, hi)):
-        box = (tuple(lo), tuple(h - l for l, h in zip(lo, hi)))
-        _cut_block(block, where, box).copy_(_cut(x, box))
-
-
 @settings(max_examples=150, deadline=None)
 @given(_cases(partial_source=False))
 def test_exchange_schedule_builds_every_target_block(case):
@@ -151,3 +142,40 @@ def test_exchange_schedule_builds_every_target_block(case):
             assert torch.equal(out[r], _cut(x, (offset, size))), f"rank {c}: {src}->{dst}"
     bound = lower_bound(shape, F32, mesh_shape, src, dst)
     assert sum(ex.sends) * F32 == bound.total and max(ex.sends, default=0) * F32 == bound.busiest
+
+
+@settings(max_examples=100, deadline=None)
+@given(_cases(partial_source=True))
+def test_reducing_exchange_adds_every_contribution_once(case):
+    mesh_shape, shape, src, dst = case
+    dst = tuple(p if not p.is_partial() else R for p in dst)  # values, so every needer checks
+    coords = coordinates(mesh_shape)
+    partial_axes = [a for a, p in enumerate(src) if p.is_partial()]
+    gen = torch.Generator().manual_seed(0)
+    contributions = {k: torch.randint(-9, 9, shape, generator=gen).double()
+                     for k in itertools.product(*(range(mesh_shape[a]) for a in partial_axes))}
+    x = sum(contributions.values())
+    src_b, dst_b = blocks(shape, mesh_shape, src), blocks(shape, mesh_shape, dst)
+    ex = plan_exchange(shape, mesh_shape, src, dst)
+    held = [_cut(contributions[tuple(c[a] for a in partial_axes)], src_b[r]) for r, c in enumerate(coords)]
+    for r in range(len(coords)):
+        block = torch.zeros(dst_b[r][1], dtype=x.dtype)
+        own = _overlap(src_b[r], dst_b[r])
+        if own is not None:
+            _cut_block(block, dst_b[r], own).copy_(_cut_block(held[r], src_b[r], own))
+        got = {}
+        for t in ex.transfers:
+            if t.receiver == r:
+                piece = _cut_block(held[t.sender], src_b[t.sender], t.box).reshape(-1)[t.start:t.stop]
+                got.setdefault((t.box, t.source), []).append((t.start, piece))
+        for (box, _), runs in got.items():
+            _cut_block(block, dst_b[r], box).add_(torch.cat([v for _, v in sorted(runs, key=lambda y: y[0])]).view(box[1]))
+        assert torch.equal(block, _cut(x, dst_b[r])), f"rank {coords[r]}: {src}->{dst}"
+
+
+def _overlap(a, b):
+    lo = [max(p, q) for p, q in zip(a[0], b[0])]
+    hi = [min(p + m, q + n) for p, m, q, n in zip(a[0], a[1], b[0], b[1])]
+    if all(h > l for l, h in zip(lo, hi)):
+        return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
+    return None

@@ -8,8 +8,13 @@ evenly, element by element, so the busiest rank sends the one-round lower bound
 (``bound.lower_bound``). It runs as one all_to_all with per-peer counts over the flattened
 group of the mesh axes along which senders and receivers differ.
 
-The source layout must hold values (no Partial axis: a reduction is not one round); the
-target may be Partial, its ranks off coordinate 0 then hold the reduction's identity.
+The target may be Partial: its ranks off coordinate 0 then hold the reduction's identity.
+The source may be Partial(sum) when the target is not Partial or Partial(sum) (a *reducing*
+exchange; a Partial target then gets the whole sum at coordinate 0, zeros elsewhere): every
+holder of a contribution sends it to the ranks whose target block needs it, and they add
+what they receive to their own contribution. Where each element is needed by one rank (a
+fully sharded target) that is the least a reduction can send, n - 1 values per element;
+otherwise the planner reduces into a fully sharded layout first and exchanges values after.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from functools import lru_cache
 from shardwise.placement import Placement
 from shardwise.redistribute.bound import Box, blocks, coordinates, intersect, needs_value, volume
 
-__all__ = ["Transfer", "Exchange", "plan_exchange"]
+__all__ = ["Transfer", "Exchange", "plan_exchange", "reducible"]
 
 Layout = tuple[Placement, ...]
 
@@ -28,13 +33,15 @@ Layout = tuple[Placement, ...]
 @dataclass(frozen=True, slots=True)
 class Transfer:
     """``sender`` gives ``receiver`` elements ``[start, stop)`` of ``box`` (row-major within the
-    box); ranks are row-major mesh indices."""
+    box); ranks are row-major mesh indices. ``source`` names the holder class (its first rank):
+    in a reducing exchange a box arrives once per contribution."""
 
     sender: int
     receiver: int
     box: Box
     start: int
     stop: int
+    source: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +54,21 @@ class Exchange:
     axes: tuple[int, ...]
 
 
+def reducible(src: Layout, dst: Layout) -> bool:
+    """Whether an exchange can go from ``src`` to ``dst`` (see the module docstring)."""
+    partial = [p for p in src if p.is_partial()]
+    return not partial or all(p.is_partial("sum") for p in partial + [q for q in dst if q.is_partial()])
+
+
 @lru_cache(maxsize=4096)
 def plan_exchange(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> Exchange:
-    """The exchange from ``src`` (no Partial) to ``dst``; see the module docstring."""
-    if any(p.is_partial() for p in src):
-        raise ValueError(f"an exchange starts from values, not from the Partial layout {list(src)}")
+    """The exchange from ``src`` to ``dst``; see the module docstring."""
+    if not reducible(src, dst):
+        raise ValueError(f"no exchange from {list(src)} to {list(dst)}: a Partial source must be Partial(sum) "
+                         "and so must a Partial target")
     coords = coordinates(mesh_shape)
     src_blocks, dst_blocks = blocks(shape, mesh_shape, src), blocks(shape, mesh_shape, dst)
-    cutting = [a for a, p in enumerate(src) if p.is_shard()]
+    cutting = [a for a, p in enumerate(src) if not p.is_replicate()]  # and Partial: one class per contribution
     classes: dict = {}
     for r, c in enumerate(coords):
         classes.setdefault(tuple(c[a] for a in cutting), []).append(r)
@@ -76,7 +90,7 @@ def plan_exchange(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> 
             for k, sender in enumerate(members):
                 lo, hi = max(at, k * share), min(end, (k + 1) * share)
                 if hi > lo:
-                    transfers.append(Transfer(sender, r, box, lo - at, hi - at))
+                    transfers.append(Transfer(sender, r, box, lo - at, hi - at, members[0]))
                     sends[sender] += hi - lo
             at = end
     axes = sorted({a for t in transfers for a in range(len(mesh_shape)) if coords[t.sender][a] != coords[t.receiver][a]})

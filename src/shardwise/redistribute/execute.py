@@ -201,8 +201,11 @@ def _run_exchange(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tu
     dst_shape, dst_offset = local_shape_and_offset(shape, mesh_shape, coords[me], step.target)
     out = local.new_empty(dst_shape)
     own = intersect((src_offset, tuple(local.shape)), (dst_offset, dst_shape))
+    reducing = any(p.is_partial() for p in layout)  # Partial(sum): add every contribution
     if not needs_value(step.target, coords[me]):  # it still sends what it holds
         out, own = _identity(out, step.target), None
+    if reducing:
+        out.zero_()
     if own is not None:
         _region(out, dst_offset, own).copy_(_region(local, src_offset, own))
     send_counts, recv_counts = [0] * size, [0] * size
@@ -217,23 +220,25 @@ def _run_exchange(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tu
         return out
     send = torch.cat([p for ps in pieces for p in ps]) if any(send_counts) else local.new_empty(0)
     recv = comm.all_to_all_counts(send, send_counts, recv_counts, group_mesh, group_axis)
-    _place(out, dst_offset, recv, [t for t in in_group if t.receiver == me], peer, recv_counts)
+    _place(out, dst_offset, recv, [t for t in in_group if t.receiver == me], peer, recv_counts, reducing)
     return out
 
 
-def _place(out, dst_offset, recv, incoming, peer, recv_counts) -> None:
+def _place(out, dst_offset, recv, incoming, peer, recv_counts, add: bool) -> None:
     """Cut ``recv`` (peers in group order, each peer's transfers in schedule order) into runs and
-    write every box they complete into ``out``."""
+    write (``add``: add) every box they complete into ``out``. In a reducing exchange one box
+    arrives once per contribution: runs are grouped by their sender's contribution."""
     starts = [sum(recv_counts[:p]) for p in range(len(recv_counts))]
     runs: dict = {}
     for t in incoming:  # schedule order within a sender = the order it packed them
         p = peer(t.sender)
         n = t.stop - t.start
-        runs.setdefault(t.box, []).append((t.start, recv[starts[p]:starts[p] + n]))
+        runs.setdefault((t.box, t.source), []).append((t.start, recv[starts[p]:starts[p] + n]))
         starts[p] += n
-    for box, parts in runs.items():
-        flat = torch.cat([run for _, run in sorted(parts, key=lambda x: x[0])])
-        _region(out, dst_offset, box).copy_(flat.view(box[1]))
+    for (box, _), parts in runs.items():
+        flat = torch.cat([run for _, run in sorted(parts, key=lambda x: x[0])]).view(box[1])
+        region = _region(out, dst_offset, box)
+        region.add_(flat) if add else region.copy_(flat)
 
 
 def _region(block: torch.Tensor, offset, box) -> torch.Tensor:

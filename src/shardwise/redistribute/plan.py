@@ -38,7 +38,7 @@ from typing import Sequence
 
 from shardwise.placement import Partial, Placement, Replicate, Shard
 from shardwise.redistribute.bound import coordinates
-from shardwise.redistribute.exchange import plan_exchange
+from shardwise.redistribute.exchange import plan_exchange, reducible
 from shardwise.spec import local_shape_and_offset
 
 __all__ = ["Step", "Plan", "plan_redistribute"]
@@ -153,16 +153,33 @@ def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layo
     if dst not in paths:
         raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(shape)}")
     best = ctx.priced(src, paths[dst])
-    for via in _exchange_starts(ctx, src):
-        if via not in paths:
-            continue
-        step = ctx.exchange(via, dst)
-        if step is None:
-            continue
-        candidate = ctx.priced(src, paths[via] + (step,))
+    for steps in _exchange_routes(ctx, src, dst, paths):
+        candidate = ctx.priced(src, steps)
         if (candidate.total_bytes, candidate.busiest_bytes) < (best.total_bytes, best.busiest_bytes):
             best = candidate
     return best
+
+
+def _exchange_routes(ctx: "_Context", src: Layout, dst: Layout, paths: dict) -> list[tuple[Step, ...]]:
+    """Plans that end in an exchange: from the source, from a reduced source, or (Partial(sum)
+    source) a reducing exchange straight to the target or into a fully sharded refinement of it
+    followed by a value exchange."""
+    routes = []
+    for via in _exchange_starts(ctx, src):
+        step = ctx.exchange(via, dst) if via in paths else None
+        if step is not None:
+            routes.append(paths[via] + (step,))
+    if any(p.is_partial() for p in src) and reducible(src, dst):
+        step = ctx.exchange(src, dst)
+        if step is not None:
+            routes.append((step,))
+        for d in range(len(ctx.shape)):
+            cut = tuple(p if p.is_shard() else Shard(d) for p in dst)
+            first = ctx.exchange(src, cut)
+            second = ctx.exchange(cut, dst)
+            if first is not None and second is not None:
+                routes.append((first, second))
+    return routes
 
 
 @lru_cache(maxsize=1024)
@@ -226,7 +243,7 @@ class _Context:
     def exchange(self, layout: Layout, dst: Layout) -> Step | None:
         """The one-all_to_all step from ``layout`` (no Partial) to ``dst``, or None when it moves
         nothing or needs a flattened group that does not exist."""
-        if layout == dst or len({p for p in dst if p.is_partial()}) > 1:
+        if layout == dst or len({p for p in dst if p.is_partial()}) > 1 or not reducible(layout, dst):
             return None  # mixed reductions: the order of partitioning matters, leave it to steps
         ex = plan_exchange(self.shape, self.mesh_shape, layout, dst)
         if not ex.axes:  # every rank builds its target block from what it holds
