@@ -152,12 +152,12 @@ def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layo
     paths = _search(ctx, src)
     if dst not in paths:
         raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(shape)}")
-    best = ctx.priced(src, paths[dst])
+    best, score = paths[dst], ctx.score(src, paths[dst])
     for steps in _exchange_routes(ctx, src, dst, paths):
-        candidate = ctx.priced(src, steps)
-        if (candidate.total_bytes, candidate.busiest_bytes) < (best.total_bytes, best.busiest_bytes):
-            best = candidate
-    return best
+        candidate = ctx.score(src, steps)
+        if candidate < score:
+            best, score = steps, candidate
+    return ctx.priced(src, best)
 
 
 def _exchange_routes(ctx: "_Context", src: Layout, dst: Layout, paths: dict) -> list[tuple[Step, ...]]:
@@ -262,16 +262,30 @@ class _Context:
 
     def priced(self, src: Layout, steps: tuple[Step, ...]) -> Plan:
         """``steps`` as a Plan with what every rank sends."""
+        return Plan(steps, self.sends(src, steps))
+
+    def sends(self, src: Layout, steps: tuple[Step, ...], exact: bool = False) -> tuple[int, ...]:
+        """Bytes every rank sends over ``steps`` (see ``rank_sends``)."""
         sends = [0] * math.prod(self.mesh_shape)
         layout = src
         for step in steps:
-            for r, b in enumerate(self.rank_sends(layout, step)):
+            for r, b in enumerate(self.rank_sends(layout, step, exact)):
                 sends[r] += b
             layout = step.apply(layout)
-        return Plan(steps, tuple(sends))
+        return tuple(sends)
 
-    def rank_sends(self, layout: Layout, step: Step) -> list[int]:
-        """Bytes each rank (row-major) sends in ``step`` taken from ``layout``."""
+    def score(self, src: Layout, steps: tuple[Step, ...]) -> tuple[int, int]:
+        """What plans are compared by: bytes of all ranks, then of the busiest, all_reduce at its
+        exact per-rank figure (so that no all_reduce is traded for two collectives over the
+        rounding of its count)."""
+        sends = self.sends(src, steps, exact=True)
+        return sum(sends), max(sends, default=0)
+
+    def rank_sends(self, layout: Layout, step: Step, exact: bool = False) -> list[int]:
+        """Bytes each rank (row-major) sends in ``step`` taken from ``layout``, as ``comm`` counts
+        them; ``exact``: an all_reduce at each rank's own figure (``comm`` counts the busiest
+        rank's on every rank, ``numel + (n-2) ceil(numel/n)``), whose sum is the reduction's
+        minimum, 2(n-1) numel."""
         coords = coordinates(self.mesh_shape)
         if step.collective in _FREE:
             return [0] * len(coords)
@@ -279,11 +293,19 @@ class _Context:
             return [e * self.itemsize for e in plan_exchange(self.shape, self.mesh_shape, layout, step.target).sends]
         n = math.prod(self.mesh_shape[a] for a in step.axes)
         after = step.apply(layout)
-        return [
-            self._sent(step.collective, n, local_shape_and_offset(self.shape, self.mesh_shape, c, layout)[0],
-                       local_shape_and_offset(self.shape, self.mesh_shape, c, after)[0]) * self.itemsize
-            for c in coords
-        ]
+        sends = []
+        for c in coords:
+            before = local_shape_and_offset(self.shape, self.mesh_shape, c, layout)[0]
+            if step.collective == "all_reduce" and exact:  # numel + (n-2) * its reduce_scatter piece
+                k = 0
+                for a in step.axes:
+                    k = k * self.mesh_shape[a] + c[a]
+                numel = math.prod(before)
+                sends.append((numel + (n - 2) * Shard.chunk(numel, n, k)[0]) * self.itemsize if numel else 0)
+                continue
+            after_shape = local_shape_and_offset(self.shape, self.mesh_shape, c, after)[0]
+            sends.append(self._sent(step.collective, n, before, after_shape) * self.itemsize)
+        return sends
 
     def merged_reductions(self, layout: Layout) -> list[Step]:
         """Partial -> Replicate on every axis of a flattened group at once (one all_reduce).
