@@ -19,12 +19,13 @@ all_reduces over 2 ranks each send twice the data of one over 4; the merged step
 Axis by axis, a block that sits on a rank of another axis travels twice, and ranks that hold
 their target block still send. So the planner also weighs an *exchange* (``exchange.py``):
 one all_to_all, with per-peer counts, over the flattened group of the axes involved, that
-sends every rank exactly what it lacks. It starts from a layout without Partial: the source
-itself, or one the search reaches by reducing the source's Partial axes. The plan sent is the
-one with the fewest bytes over all ranks, then the fewest for the busiest rank (``Plan.sends``
-counts every rank), then the axis-by-axis one. ``bound.py`` defines the lower bounds these
-plans are held to: without Partial, the chosen plan meets both the total and the one-round
-busiest-rank bound whenever the group exists.
+sends every rank exactly what it lacks. It starts from the source, from a layout the search
+reaches by reducing the source's Partial axes, or (a Partial(sum) source) it reduces on the way
+(a reducing exchange), possibly into a fully sharded refinement of the target first. The plan
+sent is the one with the fewest bytes over all ranks, then the fewest for the busiest rank
+(``Plan.sends`` counts every rank), then the axis-by-axis one. ``bound.py`` defines the lower
+bounds these plans are held to: without a Partial source the chosen plan meets the total and
+the one-round busiest-rank bound whenever the group exists; with one it may not (bound.py).
 """
 
 from __future__ import annotations
