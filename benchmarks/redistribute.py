@@ -1,21 +1,26 @@
 #!/usr/bin/env python
-"""Redistribute benchmark: shardwise vs torch.distributed.tensor, in one run, on 4 CPU processes.
+"""Redistribute benchmark: shardwise vs torch.distributed.tensor, in one run, on CPU processes.
 
-    python benchmarks/redistribute.py            # full run (a few minutes)
+    python benchmarks/redistribute.py            # full run: meshes 4, 2x2, 2x2x2 (long)
     python benchmarks/redistribute.py --quick    # smoke check (< 60 s)
     python benchmarks/redistribute.py --reps 9 --meshes 2x2 --shapes 512x512
+    python benchmarks/redistribute.py --meshes 2x2x2 --shapes 7x5 --sample 0   # all 4096 pairs
 
-The script starts 4 local gloo workers itself (torch's elastic launcher); under torchrun it
-just runs. For every mesh ((4,) and (2,2)), every global shape (one that divides evenly, one that
-does not) and every pair of layouts over {R, S0, S1, P(sum)} per mesh axis, it reports:
+The script starts local gloo workers itself (torch's elastic launcher), one job per world size
+among the meshes (4 ranks for (4,) and (2,2), 8 for (2,2,2)); under torchrun it just runs the
+meshes of its world size. For every mesh, every global shape (tiny and large, even and uneven)
+and every pair of layouts over {R, S0, S1, P(sum)} per mesh axis (a deterministic sample of
+``--sample`` pairs on meshes with more pairs than that), it reports:
 
-* bytes this rank sends, rank 0 and the busiest rank, for shardwise and for torch. Both are
+* bytes sent by the busiest rank and by all ranks together, for shardwise and for torch. Both are
   computed the same way, from the sizes of the collectives each library actually issues, seen by
   a TorchDispatchMode on the c10d / functional-collective ops (shardwise's own CommDebugMode
   figure is cross-checked against it). Per collective, with n the group size:
   all_gather (n-1)*input; reduce_scatter input-output; all_reduce numel+(n-2)*ceil(numel/n)
   elements; all_to_all input minus the part kept locally; broadcast/scatter what the source sends.
-* the analytic lower bound: shardwise's planner estimate ``Plan.bytes_per_rank`` (busiest rank);
+* the true lower bound (``shardwise.redistribute.bound``): what all ranks together must send
+  (the sum of what each rank lacks, or the reduction's minimum for Partial sources) and the
+  least the busiest rank sends in one round (a plan of several steps may relay below it);
 * median wall time over --reps repetitions (barrier before each, the slowest rank's time);
 * correctness: the result's placements, this rank's block, and full_tensor() must equal the
   source global tensor, for both libraries. Any mismatch is printed as WRONG and the run exits 3.
@@ -41,7 +46,6 @@ from dataclasses import dataclass, field
 
 from shardwise.launch import close_process_group, main_or_launch
 
-NPROC = 4
 EXIT_WRONG = 3
 PLACEMENTS = ("R", "S0", "S1", "P")
 
@@ -50,21 +54,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per transition (default 5, --quick 2)")
     p.add_argument("--quick", action="store_true", help="a subset of transitions and fewer reps (< 60 s)")
-    p.add_argument("--meshes", default="4,2x2", help="comma-separated mesh shapes of 4 ranks (default 4,2x2)")
+    p.add_argument("--meshes", default="4,2x2,2x2x2", help="comma-separated mesh shapes (default 4,2x2,2x2x2)")
     p.add_argument("--shapes", default=None,
-                   help="comma-separated global shapes (default 1024x1024,1023x1021; --quick 512x512,511x509)")
+                   help="comma-separated global shapes (default 8x4,7x5,1024x1024,1023x1021; "
+                        "--quick 8x4,7x5,512x512,511x509)")
+    p.add_argument("--sample", type=int, default=None,
+                   help="at most this many layout pairs per mesh and shape, a fixed sample (0: all; "
+                        "default 0, --quick 30)")
     p.add_argument("--trace", action="store_true", help="print the collectives of every transition")
     p.add_argument("--timeout", type=float, default=180.0, help="gloo collective timeout, seconds")
     args = p.parse_args(argv)
     if args.reps is None:
         args.reps = 2 if args.quick else 5
+    if args.sample is None:
+        args.sample = 30 if args.quick else 0
     if args.shapes is None:
-        args.shapes = "512x512,511x509" if args.quick else "1024x1024,1023x1021"
+        args.shapes = "8x4,7x5,512x512,511x509" if args.quick else "8x4,7x5,1024x1024,1023x1021"
     args.mesh_shapes = [_dims(s) for s in args.meshes.split(",")]
     args.global_shapes = [_dims(s) for s in args.shapes.split(",")]
-    for m in args.mesh_shapes:
-        if math.prod(m) != NPROC:
-            p.error(f"mesh {m} does not have {NPROC} ranks")
     if args.reps < 1:
         p.error("--reps must be >= 1")
     return args
@@ -215,8 +222,11 @@ class Row:
     shape: tuple
     src: tuple
     dst: tuple
-    lower_bound: int
+    lower_bound: int  # the busiest rank's one-round bound (see the module docstring)
     sw_plan: str
+    lb_total: int = 0
+    sw_total: int = 0
+    torch_total: int = 0
     sw_r0: int = 0
     sw_max: int = 0
     sw_reported_mismatch: bool = False  # CommDebugMode figure != bytes of the collectives seen
@@ -269,8 +279,10 @@ class Bench:
         self.args = args
         self.torch, self.dist, self.sw, self.tdt = torch, dist, sw, tdt
         self.rank = dist.get_rank()
-        if dist.get_world_size() != NPROC:
-            raise SystemExit(f"needs {NPROC} ranks, got {dist.get_world_size()}")
+        self.world = dist.get_world_size()
+        args.mesh_shapes = [m for m in args.mesh_shapes if math.prod(m) == self.world]
+        if not args.mesh_shapes:
+            raise SystemExit(f"no mesh of {self.world} ranks among --meshes")
         self.Spy = _make_spy()
         self.rows: list[Row] = []
         self.unknown_ops: set[str] = set()
@@ -372,7 +384,7 @@ class Bench:
 
         start = time.perf_counter()
         self.say(f"redistribute benchmark: shardwise vs torch {torch.__version__} "
-                 f"(gloo, {NPROC} CPU processes, float32, {args.reps} timed reps, "
+                 f"(gloo, {self.world} CPU processes, float32, {args.reps} timed reps, "
                  f"{'quick' if args.quick else 'full'} run)")
         for mesh_shape in args.mesh_shapes:
             names = ("x",) if len(mesh_shape) == 1 else tuple("abcdefgh"[: len(mesh_shape)])
@@ -387,13 +399,17 @@ class Bench:
     def pairs(self, ndim: int) -> list[tuple[tuple, tuple]]:
         layouts = list(itertools.product(PLACEMENTS, repeat=ndim))
         pairs = [(s, d) for s in layouts for d in layouts if s != d]
-        if self.args.quick and len(pairs) > 40:
-            pairs = pairs[::8]  # 30 of 240 on (2, 2): every source and target layout still occurs
+        if 0 < self.args.sample < len(pairs):
+            import random
+
+            pairs = sorted(random.Random(ndim).sample(pairs, self.args.sample))
         return pairs
 
     def run_case(self, mesh_shape, sw_mesh, t_mesh, shape) -> list[Row]:
         torch, sw = self.torch, self.sw
         from shardwise.redistribute import plan_redistribute
+        from shardwise.redistribute.bound import lower_bound
+        from shardwise.redistribute.execute import flattened_groups
         from torch.distributed.tensor import DTensor as TDTensor
 
         gen = torch.Generator().manual_seed(1234)
@@ -411,6 +427,9 @@ class Bench:
                                           shape=tuple(shape))
                 t = TDTensor.from_local(block.clone(), t_mesh, [self.torch_placement(n) for n in layout],
                                         run_check=False, shape=torch.Size(shape), stride=glob.stride())
+                from shardwise import blocks as sw_blocks
+
+                sw_blocks.settle(sw_mesh)  # from_local's deferred check: not part of a measured run
                 # Both libraries must read the same blocks as the same global tensor.
                 for lib, dt in (("shardwise", s), ("torch", t)):
                     if self.agree_flag(not torch.equal(dt.full_tensor(), glob)):
@@ -424,9 +443,11 @@ class Bench:
             sw_src, t_src = source(src)
             sw_dst = [self.sw_placement(n) for n in dst]
             t_dst = tuple(self.torch_placement(n) for n in dst)
-            plan = plan_redistribute(tuple(shape), itemsize, mesh_shape,
-                                     [self.sw_placement(n) for n in src], sw_dst)
-            row = Row(mesh_shape, tuple(shape), src, dst, plan.bytes_per_rank, str(plan))
+            sw_src_placements = [self.sw_placement(n) for n in src]
+            plan = plan_redistribute(tuple(shape), itemsize, mesh_shape, sw_src_placements, sw_dst,
+                                     flattened_groups(sw_mesh))
+            bound = lower_bound(tuple(shape), itemsize, mesh_shape, sw_src_placements, sw_dst)
+            row = Row(mesh_shape, tuple(shape), src, dst, bound.busiest, str(plan), lb_total=bound.total)
 
             # -- shardwise
             def sw_fn():
@@ -474,7 +495,10 @@ class Bench:
             stats = torch.tensor([sw_bytes, t_bytes, *flags, *sw_times, *t_times], dtype=torch.float64)
             stats = torch.nan_to_num(stats, nan=-1.0)
             r0 = stats.clone()
+            totals = stats[:2].clone()
             self.dist.all_reduce(stats, op=self.dist.ReduceOp.MAX)
+            self.dist.all_reduce(totals)
+            row.sw_total, row.torch_total = int(totals[0]), int(totals[1])
             reps = self.args.reps
             row.sw_r0, row.torch_r0 = int(r0[0]), int(r0[1])
             row.sw_max, row.torch_max = int(stats[0]), int(stats[1])
@@ -500,14 +524,14 @@ class Bench:
     def report_case(self, mesh_shape, shape, rows: list[Row]) -> None:
         if self.rank != 0:
             return
-        big = max(max(r.lower_bound, r.torch_max, r.sw_max) for r in rows) >= 100 * 1024
+        big = max(max(r.lb_total, r.torch_total, r.sw_total) for r in rows) >= 100 * 1024
         unit = "KiB" if big else "B"
         kib = (lambda b: f"{b / 1024:,.1f}") if big else (lambda b: f"{b:,}")  # noqa: E731
         print(f"\n=== mesh {mesh_shape}, global shape {tuple(shape)} float32: {len(rows)} transitions "
-              f"(bytes in {unit} sent by rank 0 / the busiest rank; LB = planner lower bound, busiest rank) ===")
+              f"(bytes in {unit}; max = the busiest rank, all = every rank together; LB = true lower bound) ===")
         w = max(len(r.label) for r in rows) + 1
-        head = (f"{'transition':<{w}} {'sw r0':>9} {'sw max':>9} {'torch r0':>9} {'torch max':>9} "
-                f"{'LB':>9} {'sw ms':>8} {'torch ms':>8} {'sw/torch':>8}  notes")
+        head = (f"{'transition':<{w}} {'sw max':>9} {'sw all':>9} {'torch max':>9} {'torch all':>9} "
+                f"{'LB max':>9} {'LB all':>9} {'sw ms':>8} {'torch ms':>8} {'sw/torch':>8}  notes")
         print(head)
         print("-" * len(head))
         for r in rows:
@@ -524,17 +548,19 @@ class Bench:
                 notes.append("torch internal path")
             if r.compared and r.sw_max > r.torch_max:
                 notes.append("!! sw max > torch max")
-            if r.compared and r.sw_r0 > r.torch_r0:
-                notes.append("!! sw r0 > torch r0")
+            if r.compared and r.sw_total > r.torch_total:
+                notes.append("!! sw all > torch all")
+            if not r.sw_error and r.sw_total > r.lb_total:
+                notes.append("sw all > LB")
             if not r.sw_error and r.sw_max > r.lower_bound:
-                notes.append("!! sw max > LB")
+                notes.append("sw max > LB")
             if r.sw_reported_mismatch:
                 notes.append("!! CommDebugMode bytes != collectives seen")
             tb = lambda b: kib(b) if r.torch_path != "n/a" else "-"  # noqa: E731
             ratio = r.sw_ms / r.torch_ms if r.compared and r.torch_ms > 0 else float("nan")
-            print(f"{r.label:<{w}} {kib(r.sw_r0):>9} {kib(r.sw_max):>9} {tb(r.torch_r0):>9} {tb(r.torch_max):>9} "
-                  f"{kib(r.lower_bound):>9} {_ms(r.sw_ms):>8} {_ms(r.torch_ms):>8} {_x(ratio):>8}  "
-                  + "; ".join(notes))
+            print(f"{r.label:<{w}} {kib(r.sw_max):>9} {kib(r.sw_total):>9} {tb(r.torch_max):>9} "
+                  f"{tb(r.torch_total):>9} {kib(r.lower_bound):>9} {kib(r.lb_total):>9} "
+                  f"{_ms(r.sw_ms):>8} {_ms(r.torch_ms):>8} {_x(ratio):>8}  " + "; ".join(notes))
         for line in summarize(rows):
             print(line)
 
@@ -571,38 +597,40 @@ def _x(v: float) -> str:
 
 
 def summarize(rows: list[Row]) -> list[str]:
-    """Totals over the transitions both libraries ran, plus the shardwise-only ones."""
+    """Bytes against the lower bound and torch, and time against torch."""
+    ran = [r for r in rows if not r.sw_error]
     both = [r for r in rows if r.compared]
     only = [r for r in rows if r.torch_path == "n/a" and not r.sw_error]
-    sw_b = sum(r.sw_max for r in both)
-    t_b = sum(r.torch_max for r in both)
-    lb = sum(r.lower_bound for r in both)
-    sw_t = sum(r.sw_ms for r in both)
-    t_t = sum(r.torch_ms for r in both)
-    more_max = sum(r.sw_max > r.torch_max for r in both)
-    more_r0 = sum(r.sw_r0 > r.torch_r0 for r in both)
-    fewer = sum(r.sw_max < r.torch_max for r in both)
-    over_lb = sum(r.sw_max > r.lower_bound for r in rows if not r.sw_error)
-    under_lb = sum(r.sw_max < r.lower_bound for r in rows if not r.sw_error)
-    torch_under_lb = sum(r.torch_max < r.lower_bound for r in both)
+    div = lambda a, b: a / b if b else float("nan")  # noqa: E731
+    at_total = sum(r.sw_total == r.lb_total for r in ran)
+    at_max = sum(r.sw_max <= r.lower_bound for r in ran)
+    at_both = sum(r.sw_total == r.lb_total and r.sw_max <= r.lower_bound for r in ran)
+    worst_total = max((div(r.sw_total, r.lb_total) for r in ran if r.lb_total), default=float("nan"))
+    worst_max = max((div(r.sw_max, r.lower_bound) for r in ran if r.lower_bound), default=float("nan"))
+    free_but_sent = sum(r.lb_total == 0 and r.sw_total > 0 for r in ran)
     ratios = [r.sw_ms / r.torch_ms for r in both if r.torch_ms > 0 and r.sw_ms > 0]
     geo = math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else float("nan")
-    div = lambda a, b: a / b if b else float("nan")  # noqa: E731
+    med = statistics.median(ratios) if ratios else float("nan")
+    sw_t, t_t = sum(r.sw_ms for r in both), sum(r.torch_ms for r in both)
     lines = [
-        f"totals over {len(both)} transitions both libraries ran (busiest-rank bytes): "
-        f"shardwise {sw_b:,} B, torch {t_b:,} B, lower bound {lb:,} B",
-        f"  torch/LB = {_x(div(t_b, lb))}, shardwise/LB = {_x(div(sw_b, lb))}, shardwise/torch = {_x(div(sw_b, t_b))}",
-        f"  transitions where shardwise sent MORE than torch: {more_max} (busiest rank), {more_r0} (rank 0); "
-        f"fewer: {fewer}",
-        f"  vs the lower bound (busiest rank): shardwise above it {over_lb}, below it {under_lb}; "
-        f"torch below it {torch_under_lb}",
-        f"  time: shardwise {sw_t:,.1f} ms, torch {t_t:,.1f} ms, total-time ratio sw/torch = {_x(div(sw_t, t_t))} "
-        f"(geometric mean of per-transition ratios {_x(geo)})",
+        f"vs the lower bound, {len(ran)} transitions: all-ranks bytes at the bound {at_total}, busiest rank at or "
+        f"below its one-round bound {at_max}, both {at_both}; worst ratio all/LB {_x(worst_total)}, "
+        f"max/LB {_x(worst_max)}; sent bytes where the bound is 0: {free_but_sent}",
+        f"  sums (all ranks): shardwise {sum(r.sw_total for r in ran):,} B, lower bound "
+        f"{sum(r.lb_total for r in ran):,} B (shardwise/LB = {_x(div(sum(r.sw_total for r in ran), sum(r.lb_total for r in ran)))})",
+        f"vs torch, {len(both)} transitions both ran: all-ranks bytes shardwise {sum(r.sw_total for r in both):,} B, "
+        f"torch {sum(r.torch_total for r in both):,} B, LB {sum(r.lb_total for r in both):,} B "
+        f"(torch/LB = {_x(div(sum(r.torch_total for r in both), sum(r.lb_total for r in both)))})",
+        f"  shardwise sent MORE than torch: busiest rank {sum(r.sw_max > r.torch_max for r in both)}, "
+        f"all ranks {sum(r.sw_total > r.torch_total for r in both)}; fewer (all ranks): "
+        f"{sum(r.sw_total < r.torch_total for r in both)}",
+        f"  time: shardwise {sw_t:,.1f} ms, torch {t_t:,.1f} ms; per-transition sw/torch median {_x(med)}, "
+        f"geometric mean {_x(geo)}, slower than torch in {sum(x > 1 for x in ratios)} of {len(ratios)}",
     ]
     if only:
         lines.append(
             f"  + {len(only)} transitions torch cannot do (shardwise only): shardwise "
-            f"{sum(r.sw_max for r in only):,} B vs lower bound {sum(r.lower_bound for r in only):,} B, "
+            f"{sum(r.sw_total for r in only):,} B vs lower bound {sum(r.lb_total for r in only):,} B, "
             f"{sum(r.sw_ms for r in only):,.1f} ms")
     wrong = sum(1 for r in rows if r.sw_error or r.sw_wrong)
     if wrong:
@@ -616,6 +644,32 @@ def summarize(rows: list[Row]) -> list[str]:
     return lines
 
 
+def _launch_per_world_size(args: argparse.Namespace) -> int:
+    """One job per world size among the meshes (each worker runs the meshes of its size)."""
+    import os
+
+    from shardwise.launch import launch
+
+    status = 0
+    argv = sys.argv[1:]
+    if "--meshes" in argv:
+        i = argv.index("--meshes")
+        argv = argv[:i] + argv[i + 2:]
+    argv = [a for a in argv if not a.startswith("--meshes=")]
+    sizes: dict[int, list[str]] = {}
+    for m in args.mesh_shapes:
+        sizes.setdefault(math.prod(m), []).append("x".join(map(str, m)))
+    for size, meshes in sizes.items():
+        code = launch([os.path.abspath(sys.argv[0]), *argv, "--meshes", ",".join(meshes)], size,
+                      quiet_codes=(EXIT_WRONG,))
+        status = status or code
+    return status
+
+
 if __name__ == "__main__":
-    parse_args(sys.argv[1:])  # --help and bad flags answer once, before any worker starts
-    main_or_launch(worker, NPROC, quiet_codes=(EXIT_WRONG,))
+    from shardwise.launch import under_launcher
+
+    _args = parse_args(sys.argv[1:])  # --help and bad flags answer once, before any worker starts
+    if not under_launcher():
+        sys.exit(_launch_per_world_size(_args))
+    main_or_launch(worker, 0, quiet_codes=(EXIT_WRONG,))

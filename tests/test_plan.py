@@ -62,11 +62,11 @@ def test_every_pair_is_reachable_and_no_worse_than_gathering_everything(mesh_sha
     for src in itertools.product(ALL, repeat=len(mesh_shape)):
         for dst in itertools.product(ALL, repeat=len(mesh_shape)):
             plan = plan_redistribute(shape, F32, mesh_shape, src, dst)
-            layout = list(src)
+            layout = tuple(src)
             for step in plan.steps:
                 assert layout[step.axis] == step.src
-                layout[step.axis] = step.dst
-            assert tuple(layout) == dst
+                layout = step.apply(layout)  # an exchange re-lays several axes at once
+            assert layout == dst
             via_replicate = (
                 plan_redistribute(shape, F32, mesh_shape, src, (R,) * len(mesh_shape)).bytes_per_rank
                 + plan_redistribute(shape, F32, mesh_shape, (R,) * len(mesh_shape), dst).bytes_per_rank

@@ -113,9 +113,15 @@ def _check(out, mesh_shape, shape):
             planned = iter((s.collective, s.bytes_per_rank) for s in steps)
             assert all(any(k == c and b <= limit for c, limit in planned) for k, b in zip(kinds, sent)), (
                 f"{src}->{dst}: rank {rank} ran {list(zip(kinds, sent))}, plan {plan}")
-        busiest = [max(s) for s in zip(*(p[5] for p in per_rank if len(p[5]) == len(steps)))]
-        assert not busiest or busiest == [s.bytes_per_rank for s in steps], (
-            f"{src}->{dst}: busiest rank sent {busiest}, plan {plan}")
+        # Every rank sent what the plan counts for it (exchanges whose group has nothing to
+        # move skip, like the empty groups above), and the busiest rank of each step its figure.
+        sent_by = {tuple(p[3]): sum(p[5]) for p in per_rank}
+        want = dict(zip(itertools.product(*(range(n) for n in mesh_shape)), plan.sends))
+        assert sent_by == want, f"{src}->{dst}: ranks sent {sent_by}, plan {plan} counts {want}"
+        if all(len(p[5]) == len(steps) for p in per_rank):
+            busiest = [max(s) for s in zip(*(p[5] for p in per_rank))]
+            assert not busiest or busiest == [s.bytes_per_rank for s in steps], (
+                f"{src}->{dst}: busiest rank sent {busiest}, plan {plan}")
 
 
 @pytest.mark.parametrize(
@@ -191,3 +197,66 @@ def test_partial_reduce_ops(dist, op):
     for rank, (full, shard, _) in enumerate(out):
         assert torch.allclose(full, want)
         assert torch.allclose(shard, want.chunk(4)[rank] if rank < 3 else want[3:])
+
+
+def _exchanges(cases):
+    """Per (mesh, shape): every placement pair whose plan here takes an exchange step (one
+    all_to_all over several axes at once, or a local relayout), run; this rank's block, offset,
+    coordinate, the bytes it sent and the bytes the plan says it sends."""
+    import random
+
+    from shardwise.redistribute.bound import coordinates
+
+    results = {}
+    for mesh_shape, shape, limit in cases:
+        mesh = sw.init_device_mesh("cpu", mesh_shape)
+        flattened = flattened_groups(mesh)
+        me = coordinates(mesh_shape).index(tuple(mesh.get_coordinate()))
+        shuffled = _all_pairs(mesh_shape)
+        random.Random(0).shuffle(shuffled)
+        pairs = itertools.islice(((s, d) for s, d in shuffled
+                                  if any(st.target for st in plan_redistribute(shape, 8, mesh_shape, s, d, flattened).steps)),
+                                 limit)
+        x = _global(shape)
+        for src, dst in pairs:
+            start = sw.distribute_tensor(x, mesh, src, src_data_rank=None)
+            with CommDebugMode() as comms:
+                out = start.redistribute(mesh, dst)
+            plan = plan_redistribute(shape, 8, mesh_shape, src, dst, flattened)
+            _, offset = out._spec.local_shape_and_offset()
+            results[(mesh_shape, shape, src, dst)] = (
+                out.placements, out.to_local().clone(), offset, mesh.get_coordinate(),
+                sum(r.bytes_sent for r in comms.records), plan.sends[me], str(plan))
+    return results
+
+
+def _check_exchanges(out):
+    assert out[0], "no exchange step was planned"
+    for key in out[0]:
+        mesh_shape, shape, src, dst = key
+        per_rank = [o[key] for o in out]
+        x = _global(shape)
+        logical = torch.zeros_like(x)
+        for _, local, offset, coordinate, *_ in per_rank:
+            if any(c != 0 for c, p in zip(coordinate, dst) if p.is_replicate()):
+                continue
+            logical[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))] += local
+        assert torch.allclose(logical, x), f"{key}: wrong values ({per_rank[0][6]})"
+        assert all(p[0] == dst for p in per_rank), f"{key}: wrong placements"
+        assert [p[4] for p in per_rank] == [p[5] for p in per_rank], (
+            f"{key}: ranks sent {[p[4] for p in per_rank]} B, plan {per_rank[0][6]} says {[p[5] for p in per_rank]}")
+
+
+def test_exchange_steps_on_four_ranks(dist):
+    # The issue's (2, 2) cases are among them: (S0,S0)->(S1,S1), (R,S0)->(S0,R).
+    cases = [((2, 2), (7, 5), 200), ((2, 2), (8, 4), 200), ((4,), (7, 5), 50), ((2, 2), (1, 3), 50)]
+    out = dist.run(4, _exchanges, cases, timeout=120)
+    keys = {k[:2] + k[2:] for k in out[0]}
+    assert ((2, 2), (8, 4), (Shard(0), Shard(0)), (Shard(1), Shard(1))) in keys
+    assert ((2, 2), (7, 5), (Replicate(), Shard(0)), (Shard(0), Replicate())) in keys
+    _check_exchanges(out)
+
+
+def test_exchange_steps_on_eight_ranks(dist):
+    out = dist.run(8, _exchanges, [((2, 2, 2), (7, 5), 60), ((2, 2, 2), (4, 2), 40)], timeout=180)
+    _check_exchanges(out)

@@ -41,7 +41,7 @@ import torch.distributed._functional_collectives as funcol
 from shardwise.mesh import DeviceMesh
 
 __all__ = [
-    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "scatter", "broadcast",
+    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_counts", "scatter", "broadcast",
     "all_gather_object", "barrier", "CommRecorder", "add_recorder", "remove_recorder",
     "set_collective_timeout", "collective_timeout", "TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost", "ring_shift",
@@ -407,6 +407,22 @@ def all_to_all(
                      [math.prod(s) for s in per_peer])
     chunks = torch.split(recv, [math.prod(s) for s in per_peer])
     return torch.cat([c.view(s) for c, s in zip(chunks, per_peer)], dim=cat_dim)
+
+
+def all_to_all_counts(
+    send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], mesh: DeviceMesh, axis: int
+) -> torch.Tensor:
+    """Give axis rank s the next ``send_counts[s]`` elements of the flat ``send`` (peers in rank
+    order); return what every peer sent here, concatenated in rank order (``recv_counts``).
+
+    Counts may differ per peer and be zero (a redistribute exchange sends each rank only what
+    it lacks). This rank's own count should be 0: keeping data needs no collective. The caller
+    makes sure every rank of the group enters (skip only when all counts are 0 on every rank).
+    """
+    me = mesh.get_local_rank(axis)
+    nbytes = (sum(send_counts) - send_counts[me]) * send.element_size()
+    return _a2a_flat("all_to_all", mesh, axis, nbytes, send.reshape(-1).contiguous(),
+                     list(send_counts), list(recv_counts))
 
 
 def scatter(

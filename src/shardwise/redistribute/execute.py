@@ -18,7 +18,9 @@ from shardwise import blocks, comm
 from shardwise import mesh as mesh_module
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, Replicate, Shard
+from shardwise.redistribute.bound import coordinates, intersect, needs_value
 from shardwise.redistribute.cross_mesh import plan_cross_mesh
+from shardwise.redistribute.exchange import plan_exchange
 from shardwise.redistribute.plan import Plan, Step, plan_redistribute
 from shardwise.spec import DTensorSpec, local_shape_and_offset
 
@@ -29,12 +31,8 @@ def plan_for(src: DTensorSpec, dst: DTensorSpec) -> Plan:
     """The (cached) plan taking a tensor laid out as ``src`` to ``dst``."""
     meta = src.tensor_meta
     itemsize = torch.empty((), dtype=meta.dtype).element_size()
-    flattened = flattened_groups(src.mesh) if _partial_axes(src) > 1 else ()
+    flattened = flattened_groups(src.mesh) if src.mesh.ndim > 1 else ()
     return plan_redistribute(meta.shape, itemsize, src.mesh.shape, src.placements, dst.placements, flattened)
-
-
-def _partial_axes(spec: DTensorSpec) -> int:
-    return sum(p.is_partial() for p in spec.placements)
 
 
 # (mesh, number of process groups known) -> axis sets whose flattened group exists.
@@ -151,6 +149,8 @@ def _lengths(spec: DTensorSpec, layout: tuple[Placement, ...], axis: int, dim: i
 def _run_step(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple) -> torch.Tensor:
     mesh, axis, cur, new = spec.mesh, step.axis, step.src, step.dst
     kind = step.collective
+    if step.target:  # an exchange (or a relayout: one that moves nothing)
+        return _run_exchange(local, step, spec, layout)
     if kind == "relabel":
         return local
     if kind == "local_chunk":
@@ -173,3 +173,84 @@ def _run_step(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple)
         cat = _lengths(spec, layout, axis, cur.dim)
         return comm.all_to_all(local, mesh, axis, new.dim, split, cur.dim, cat)
     raise AssertionError(f"unknown redistribute step {step}")
+
+
+def _run_exchange(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple) -> torch.Tensor:
+    """One all_to_all over the step's (flattened) group: send each peer the runs of the boxes
+    the schedule gives it, build this rank's target block from what it keeps and receives."""
+    mesh = spec.mesh
+    shape, mesh_shape = tuple(spec.shape), tuple(mesh.shape)
+    ex = plan_exchange(shape, mesh_shape, layout, step.target)
+    coords = coordinates(mesh_shape)
+    me = coords.index(tuple(mesh.get_coordinate()))
+    axes = step.axes
+    if len(axes) > 1:
+        group_mesh, group_axis = _flat_mesh(mesh, axes), 0
+    else:
+        group_mesh, group_axis = mesh, axes[0]
+    size = math.prod(mesh_shape[a] for a in axes)
+
+    def peer(r: int) -> int:  # index in the (flattened) group, row-major over ``axes``
+        index = 0
+        for a in axes:
+            index = index * mesh_shape[a] + coords[r][a]
+        return index
+
+    mine = [a for a in range(len(mesh_shape)) if a not in axes]
+    in_group = [t for t in ex.transfers if all(coords[t.sender][a] == coords[me][a] for a in mine)]
+    src_offset = local_shape_and_offset(shape, mesh_shape, coords[me], layout)[1]
+    dst_shape, dst_offset = local_shape_and_offset(shape, mesh_shape, coords[me], step.target)
+    out = local.new_empty(dst_shape)
+    own = intersect((src_offset, tuple(local.shape)), (dst_offset, dst_shape))
+    reducing = any(p.is_partial() for p in layout)  # Partial(sum): add every contribution
+    if not needs_value(step.target, coords[me]):  # it still sends what it holds
+        out, own = _identity(out, step.target), None
+    if reducing:
+        out.zero_()
+    if own is not None:
+        _region(out, dst_offset, own).copy_(_region(local, src_offset, own))
+    send_counts, recv_counts = [0] * size, [0] * size
+    pieces = [[] for _ in range(size)]
+    for t in in_group:
+        if t.sender == me:
+            pieces[peer(t.receiver)].append(_region(local, src_offset, t.box).reshape(-1)[t.start:t.stop])
+            send_counts[peer(t.receiver)] += t.stop - t.start
+        if t.receiver == me:
+            recv_counts[peer(t.sender)] += t.stop - t.start
+    if sum(t.stop - t.start for t in in_group) == 0:
+        return out
+    send = torch.cat([p for ps in pieces for p in ps]) if any(send_counts) else local.new_empty(0)
+    recv = comm.all_to_all_counts(send, send_counts, recv_counts, group_mesh, group_axis)
+    _place(out, dst_offset, recv, [t for t in in_group if t.receiver == me], peer, recv_counts, reducing)
+    return out
+
+
+def _place(out, dst_offset, recv, incoming, peer, recv_counts, add: bool) -> None:
+    """Cut ``recv`` (peers in group order, each peer's transfers in schedule order) into runs and
+    write (``add``: add) every box they complete into ``out``. In a reducing exchange one box
+    arrives once per contribution: runs are grouped by their sender's contribution."""
+    starts = [sum(recv_counts[:p]) for p in range(len(recv_counts))]
+    runs: dict = {}
+    for t in incoming:  # schedule order within a sender = the order it packed them
+        p = peer(t.sender)
+        n = t.stop - t.start
+        runs.setdefault((t.box, t.source), []).append((t.start, recv[starts[p]:starts[p] + n]))
+        starts[p] += n
+    for (box, _), parts in runs.items():
+        flat = torch.cat([run for _, run in sorted(parts, key=lambda x: x[0])]).view(box[1])
+        region = _region(out, dst_offset, box)
+        region.add_(flat) if add else region.copy_(flat)
+
+
+def _region(block: torch.Tensor, offset, box) -> torch.Tensor:
+    """The view of ``block`` (at global ``offset``) covering the global ``box``."""
+    view = block
+    for d, (o, b, n) in enumerate(zip(offset, box[0], box[1])):
+        view = view.narrow(d, b - o, n)
+    return view
+
+
+def _identity(out: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """The block of a rank off coordinate 0 of a Partial target: the reduction's identity."""
+    op = next(p for p in layout if p.is_partial() and p.identity() is not None)
+    return out.fill_(op.identity())

@@ -15,17 +15,31 @@ broken by fewer steps and then by a fixed order, so every rank derives the same 
 One step may change several axes: Partial on axes {a, b, ...} -> Replicate by ONE all_reduce
 over their flattened group, when the caller says that group exists (``flattened``). Two
 all_reduces over 2 ranks each send twice the data of one over 4; the merged step wins.
+
+Axis by axis, a block that sits on a rank of another axis travels twice, and ranks that hold
+their target block still send. So the planner also weighs an *exchange* (``exchange.py``):
+one all_to_all, with per-peer counts, over the flattened group of the axes involved, that
+sends every rank exactly what it lacks. It starts from the source, from a layout the search
+reaches by reducing the source's Partial axes, or (a Partial(sum) source) it reduces on the way
+(a reducing exchange), possibly into a fully sharded refinement of the target first. The plan
+sent is the one with the fewest bytes over all ranks, then the fewest for the busiest rank
+(``Plan.sends`` counts every rank), then the axis-by-axis one. ``bound.py`` defines the lower
+bounds these plans are held to: without a Partial source the chosen plan meets the total and
+the one-round busiest-rank bound whenever the group exists; with one it may not (bound.py).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
 from shardwise.placement import Partial, Placement, Replicate, Shard
+from shardwise.redistribute.bound import coordinates
+from shardwise.redistribute.exchange import plan_exchange, reducible
 from shardwise.spec import local_shape_and_offset
 
 __all__ = ["Step", "Plan", "plan_redistribute"]
@@ -39,7 +53,8 @@ class Step:
 
     ``bytes_per_rank`` is what the busiest rank of the axis sends. ``flattened`` (two or more
     axes, ``axis`` the first) marks a reduction over all of them at once, by their flattened
-    group; otherwise it is empty.
+    group; otherwise it is empty. An exchange (``target`` set: the whole layout after it)
+    re-lays several axes at once by one all_to_all over ``axes``' (flattened) group.
     """
 
     axis: int
@@ -48,6 +63,7 @@ class Step:
     collective: str
     bytes_per_rank: int
     flattened: tuple[int, ...] = ()
+    target: Layout = ()
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -56,6 +72,8 @@ class Step:
 
     def apply(self, layout: Layout) -> Layout:
         """``layout`` after this step."""
+        if self.target:
+            return self.target
         out = list(layout)
         for axis in self.axes:
             out[axis] = self.dst
@@ -63,18 +81,32 @@ class Step:
 
     def __str__(self) -> str:
         where = f"axes {'+'.join(map(str, self.flattened))}" if self.flattened else f"axis {self.axis}"
+        if self.target:
+            return f"{where}: exchange to ({','.join(map(str, self.target))}) by {self.collective} ({self.bytes_per_rank} B)"
         return f"{where}: {self.src} -> {self.dst} by {self.collective} ({self.bytes_per_rank} B)"
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """Ordered steps; ``bytes_per_rank`` is their total for the busiest rank."""
+    """Ordered steps; ``bytes_per_rank`` sums each step's busiest rank (an upper bound on any one
+    rank). ``sends``: bytes each rank sends over the whole plan (row-major mesh coordinates)."""
 
     steps: tuple[Step, ...]
+    sends: tuple[int, ...] = ()
 
     @property
     def bytes_per_rank(self) -> int:
         return sum(s.bytes_per_rank for s in self.steps)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes sent by all ranks together."""
+        return sum(self.sends)
+
+    @property
+    def busiest_bytes(self) -> int:
+        """Bytes sent by the rank that sends the most over the whole plan."""
+        return max(self.sends, default=0)
 
     @property
     def collectives(self) -> list[str]:
@@ -85,7 +117,7 @@ class Plan:
         return "; ".join(map(str, self.steps)) or "no-op"
 
 
-_FREE = ("local_chunk", "partition", "relabel")
+_FREE = ("local_chunk", "partition", "relabel", "relayout")
 
 
 def plan_redistribute(
@@ -116,24 +148,66 @@ def plan_redistribute(
 @lru_cache(maxsize=4096)
 def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layout, flattened: tuple = ()) -> Plan:
     if src == dst:
-        return Plan(())
+        return Plan((), (0,) * math.prod(mesh_shape))
     ctx = _Context(shape, itemsize, mesh_shape, _partial_ops(src, dst), flattened)
+    paths = _search(ctx, src)
+    if dst not in paths:
+        raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(shape)}")
+    best, score = paths[dst], ctx.score(src, paths[dst])
+    for steps in _exchange_routes(ctx, src, dst, paths):
+        candidate = ctx.score(src, steps)
+        if candidate < score:
+            best, score = steps, candidate
+    return ctx.priced(src, best)
+
+
+def _exchange_routes(ctx: "_Context", src: Layout, dst: Layout, paths: dict) -> list[tuple[Step, ...]]:
+    """Plans that end in an exchange: from the source, from a reduced source, or (Partial(sum)
+    source) a reducing exchange straight to the target or into a fully sharded refinement of it
+    followed by a value exchange."""
+    routes = []
+    for via in _exchange_starts(ctx, src):
+        step = ctx.exchange(via, dst) if via in paths else None
+        if step is not None:
+            routes.append(paths[via] + (step,))
+    if any(p.is_partial() for p in src) and reducible(src, dst):
+        step = ctx.exchange(src, dst)
+        if step is not None:
+            routes.append((step,))
+        for d in range(len(ctx.shape)):
+            cut = tuple(p if p.is_shard() else Shard(d) for p in dst)
+            first = ctx.exchange(src, cut)
+            second = ctx.exchange(cut, dst)
+            if first is not None and second is not None:
+                routes.append((first, second))
+    return routes
+
+
+@lru_cache(maxsize=1024)
+def _search(ctx: "_Context", src: Layout) -> dict:
+    """Cheapest axis-by-axis path from ``src`` to every layout (Dijkstra on the busiest rank's
+    bytes, ties broken by fewer steps, then a fixed order)."""
     # (bytes, steps, tie-break key, layout, path)
     frontier: list = [(0, 0, "", src, ())]
-    settled: set[Layout] = set()
+    paths: dict = {}
     while frontier:
         cost, n_steps, key, layout, path = heapq.heappop(frontier)
-        if layout == dst:
-            return Plan(path)
-        if layout in settled:
+        if layout in paths:
             continue
-        settled.add(layout)
+        paths[layout] = path
         for step in _moves(ctx, layout):
             nxt = step.apply(layout)
-            if nxt not in settled:
+            if nxt not in paths:
                 entry = (cost + step.bytes_per_rank, n_steps + 1, key + "|" + str(step), nxt, path + (step,))
                 heapq.heappush(frontier, entry)
-    raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(shape)}")
+    return paths
+
+
+def _exchange_starts(ctx: "_Context", src: Layout) -> list[Layout]:
+    """Layouts an exchange may start from: the source with each Partial axis reduced to
+    Replicate or to a Shard (the source itself when it has none)."""
+    options = [[p] if not p.is_partial() else [Replicate(), *(Shard(d) for d in range(len(ctx.shape)))] for p in src]
+    return [tuple(c) for c in itertools.product(*options)]
 
 
 @lru_cache(maxsize=65536)
@@ -166,6 +240,73 @@ class _Context:
                 if step is not None:
                     steps.append(step)
         return steps + self.merged_reductions(layout)
+
+    def exchange(self, layout: Layout, dst: Layout) -> Step | None:
+        """The one-all_to_all step from ``layout`` (no Partial) to ``dst``, or None when it moves
+        nothing or needs a flattened group that does not exist."""
+        if layout == dst or len({p for p in dst if p.is_partial()}) > 1 or not reducible(layout, dst):
+            return None  # mixed reductions: the order of partitioning matters, leave it to steps
+        ex = plan_exchange(self.shape, self.mesh_shape, layout, dst)
+        if not ex.axes:  # every rank builds its target block from what it holds
+            changed = next(a for a, (p, q) in enumerate(zip(layout, dst)) if p != q)
+            return Step(changed, layout[changed], dst[changed], "relayout", 0, (), dst)
+        if len(ex.axes) == 1:
+            group: tuple[int, ...] = ex.axes
+        else:
+            wide = [g for g in self.flattened if set(ex.axes) <= set(g)]
+            if not wide:
+                return None
+            group = min(wide, key=lambda g: (math.prod(self.mesh_shape[a] for a in g), g))
+        busiest = max(ex.sends) * self.itemsize
+        return Step(group[0], layout[group[0]], dst[group[0]], "all_to_all", busiest,
+                    group if len(group) > 1 else (), dst)
+
+    def priced(self, src: Layout, steps: tuple[Step, ...]) -> Plan:
+        """``steps`` as a Plan with what every rank sends."""
+        return Plan(steps, self.sends(src, steps))
+
+    def sends(self, src: Layout, steps: tuple[Step, ...], exact: bool = False) -> tuple[int, ...]:
+        """Bytes every rank sends over ``steps`` (see ``rank_sends``)."""
+        sends = [0] * math.prod(self.mesh_shape)
+        layout = src
+        for step in steps:
+            for r, b in enumerate(self.rank_sends(layout, step, exact)):
+                sends[r] += b
+            layout = step.apply(layout)
+        return tuple(sends)
+
+    def score(self, src: Layout, steps: tuple[Step, ...]) -> tuple[int, int]:
+        """What plans are compared by: bytes of all ranks, then of the busiest, all_reduce at its
+        exact per-rank figure (so that no all_reduce is traded for two collectives over the
+        rounding of its count)."""
+        sends = self.sends(src, steps, exact=True)
+        return sum(sends), max(sends, default=0)
+
+    def rank_sends(self, layout: Layout, step: Step, exact: bool = False) -> list[int]:
+        """Bytes each rank (row-major) sends in ``step`` taken from ``layout``, as ``comm`` counts
+        them; ``exact``: an all_reduce at each rank's own figure (``comm`` counts the busiest
+        rank's on every rank, ``numel + (n-2) ceil(numel/n)``), whose sum is the reduction's
+        minimum, 2(n-1) numel."""
+        coords = coordinates(self.mesh_shape)
+        if step.collective in _FREE:
+            return [0] * len(coords)
+        if step.target:
+            return [e * self.itemsize for e in plan_exchange(self.shape, self.mesh_shape, layout, step.target).sends]
+        n = math.prod(self.mesh_shape[a] for a in step.axes)
+        after = step.apply(layout)
+        sends = []
+        for c in coords:
+            before = local_shape_and_offset(self.shape, self.mesh_shape, c, layout)[0]
+            if step.collective == "all_reduce" and exact:  # numel + (n-2) * its reduce_scatter piece
+                k = 0
+                for a in step.axes:
+                    k = k * self.mesh_shape[a] + c[a]
+                numel = math.prod(before)
+                sends.append((numel + (n - 2) * Shard.chunk(numel, n, k)[0]) * self.itemsize if numel else 0)
+                continue
+            after_shape = local_shape_and_offset(self.shape, self.mesh_shape, c, after)[0]
+            sends.append(self._sent(step.collective, n, before, after_shape) * self.itemsize)
+        return sends
 
     def merged_reductions(self, layout: Layout) -> list[Step]:
         """Partial -> Replicate on every axis of a flattened group at once (one all_reduce).
