@@ -85,38 +85,38 @@ def _dcp_both_ways(root: str) -> dict:
 
     import shardwise.checkpoint as swcp
     first, second = os.path.join(root, "torch"), os.path.join(root, "shardwise")
-    # torch trains 2 steps, saves with DCP, continues 2 more
+    # torch trains 5 steps, saves with DCP, continues 2 more
     model, opt, mesh = _torch_model()
-    for step in (1, 2):
+    for step in range(1, 6):
         _torch_step(model, opt, mesh, step)
     msd, osd = get_state_dict(model, opt)
     tdcp.save({"model": msd, "optim": osd}, checkpoint_id=first)
-    torch_losses = [_torch_step(model, opt, mesh, step) for step in (3, 4)]
+    torch_losses = [_torch_step(model, opt, mesh, step) for step in (6, 7)]
     # shardwise resumes from torch's checkpoint in another layout (4-way TP, no FSDP)
     smodel, sopt = _shardwise_model()
     state = {"model": smodel.state_dict(), "optim": swcp.optimizer_state_dict(smodel, sopt)}
     swcp.load(state, first)
     loaded = {k: v.full_tensor() for k, v in state["model"].items()}
     swcp.load_optimizer_state_dict(smodel, sopt, state["optim"])
-    sw_losses = [_shardwise_step(smodel, sopt, 3)]
+    sw_losses = [_shardwise_step(smodel, sopt, 6)]
     swcp.save({"model": smodel.state_dict(), "optim": swcp.optimizer_state_dict(smodel, sopt)}, second, format="dcp")
-    sw_losses.append(_shardwise_step(smodel, sopt, 4))
-    # torch resumes from shardwise's export (after step 3) in fully_shard + TP
+    sw_losses.append(_shardwise_step(smodel, sopt, 7))
+    # torch resumes from shardwise's export (after step 6) in fully_shard + TP
     model2, opt2, mesh2 = _torch_model()
     msd2, osd2 = get_state_dict(model2, opt2)
     tdcp.load({"model": msd2, "optim": osd2}, checkpoint_id=second)
     set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
-    back_loss = _torch_step(model2, opt2, mesh2, 4)
+    back_loss = _torch_step(model2, opt2, mesh2, 7)
     return {"torch": torch_losses, "shardwise": sw_losses, "back": back_loss, "loaded": loaded}
 
 
 def test_dcp_checkpoints_resume_across_libraries_and_layouts(dist, tmp_path):
     for out in dist.run(4, _dcp_both_ways, str(tmp_path)):
-        torch_3, torch_4 = out["torch"]
-        sw_3, sw_4 = out["shardwise"]
-        assert abs(sw_3 - torch_3) < 1e-5 * abs(torch_3) + 1e-6, out
-        assert abs(sw_4 - torch_4) < 1e-5 * abs(torch_4) + 1e-6, out
-        assert abs(out["back"] - sw_4) < 1e-5 * abs(sw_4) + 1e-6, out
+        torch_6, torch_7 = out["torch"]
+        sw_6, sw_7 = out["shardwise"]
+        assert abs(sw_6 - torch_6) < 1e-5 * abs(torch_6) + 1e-6, out
+        assert abs(sw_7 - torch_7) < 1e-5 * abs(torch_7) + 1e-6, out
+        assert abs(out["back"] - sw_7) < 1e-5 * abs(sw_7) + 1e-6, out
     # another world size: one process, plain tensors, reads torch's 4-rank checkpoint
     import shardwise.checkpoint as swcp
 
