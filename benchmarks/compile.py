@@ -28,7 +28,9 @@ import statistics
 import sys
 import time
 
-from shardwise.launch import close_process_group, main_or_launch
+from _worker import gloo_worker
+
+from shardwise.launch import main_or_launch
 
 NPROC = 4
 MODES = ("tp", "fsdp", "fsdp_tp")
@@ -202,19 +204,10 @@ class Bench:
 
 
 def worker() -> int:
-    import warnings
-
     import torch
-    import torch.distributed as dist
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     torch._dynamo.config.cache_size_limit = 64  # both libraries' blocks share TransformerBlock.forward's code
-    args = parse_args(sys.argv[1:])
-    dist.init_process_group("gloo")
-    status = Bench(args).run()
-    close_process_group()
-    return status
+    return gloo_worker(lambda: Bench(parse_args(sys.argv[1:])).run())
 
 
 if __name__ == "__main__":

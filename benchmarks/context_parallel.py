@@ -33,9 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_step import PeakRSS  # noqa: E402 (the benchmark directory is not a package)
+from _worker import gloo_worker  # noqa: E402 (the benchmark directory is not a package)
+from train_step import PeakRSS  # noqa: E402
 
-from shardwise.launch import close_process_group, main_or_launch  # noqa: E402
+from shardwise.launch import main_or_launch  # noqa: E402
 
 NPROC = 4
 EXIT_WRONG = 3
@@ -194,18 +195,7 @@ class Bench:
 
 
 def worker() -> int:
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    args = parse_args(sys.argv[1:])
-    dist.init_process_group("gloo")
-    status = Bench(args).run()
-    close_process_group()
-    return status
+    return gloo_worker(lambda: Bench(parse_args(sys.argv[1:])).run())
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from shardwise.launch import close_process_group, main_or_launch
+from _worker import gloo_worker
+
+from shardwise.launch import main_or_launch
 
 NPROC = 4
 EXIT_WRONG = 3
@@ -326,18 +328,7 @@ class Bench:
 
 
 def worker() -> int:
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    args = parse_args(sys.argv[1:])
-    dist.init_process_group("gloo")
-    status = Bench(args).run()
-    close_process_group()  # after an error the launcher stops the other ranks
-    return status
+    return gloo_worker(lambda: Bench(parse_args(sys.argv[1:])).run())
 
 
 if __name__ == "__main__":
