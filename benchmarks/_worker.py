@@ -19,3 +19,21 @@ def gloo_worker(run: Callable[[], int]) -> int:
     status = run()
     close_process_group()  # after an error the launcher stops the other ranks
     return status
+
+
+def say(text: str) -> None:
+    """Print once, on rank 0."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(text, flush=True)
+
+
+def slowest(value: float) -> float:
+    """The largest ``value`` over all ranks (a time: the step is as slow as its slowest rank)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)

@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from _worker import gloo_worker
+from _worker import gloo_worker, say, slowest
 
 from shardwise.launch import main_or_launch
 
@@ -58,14 +58,8 @@ class Bench:
         self.args, self.torch, self.dist = args, torch, dist
         self.rank = dist.get_rank()
 
-    def say(self, text: str) -> None:
-        if self.rank == 0:
-            print(text, flush=True)
-
-    def slowest(self, value: float) -> float:
-        t = self.torch.tensor([value], dtype=self.torch.float64)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
-        return float(t)
+    say = staticmethod(say)
+    slowest = staticmethod(slowest)
 
     def jobs(self, mode: str, meshes: dict, data) -> dict:
         from train_step import build_job

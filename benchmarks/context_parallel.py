@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _worker import gloo_worker  # noqa: E402 (the benchmark directory is not a package)
+from _worker import gloo_worker, say, slowest  # noqa: E402 (the benchmark directory is not a package)
 from train_step import PeakRSS  # noqa: E402
 
 from shardwise.launch import main_or_launch  # noqa: E402
@@ -73,14 +73,8 @@ class Bench:
         self.causal = not args.non_causal
         self.gqa = args.heads != args.kv_heads
 
-    def say(self, text: str) -> None:
-        if self.rank == 0:
-            print(text, flush=True)
-
-    def slowest(self, value: float) -> float:
-        t = self.torch.tensor([value], dtype=self.torch.float64)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
-        return t.item()
+    say = staticmethod(say)
+    slowest = staticmethod(slowest)
 
     def per_rank(self, value: int) -> list[int]:
         out = [None] * self.dist.get_world_size()
