@@ -106,7 +106,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     if plan is None:
         plan = _with_positions(_propagate(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
         _CACHE[key] = plan
-        if len(_CACHE) > CACHE_SIZE:
+        while len(_CACHE) > CACHE_SIZE:  # "while": CACHE_SIZE may have been lowered
             _CACHE.popitem(last=False)
     else:
         _CACHE.move_to_end(key)

@@ -106,8 +106,8 @@ class ReplicateState:
         self._callback_queued = False
 
     def install(self) -> None:
-        self.module.register_forward_pre_hook(eager_only(self._pre_forward), prepend=True)
-        self.module.register_forward_hook(eager_only(self._post_forward), always_call=True)
+        self.module.register_forward_pre_hook(self._pre_forward, prepend=True)
+        self.module.register_forward_hook(self._post_forward, always_call=True)
         self._install_grad_hooks()
 
     def __deepcopy__(self, memo: dict) -> "ReplicateState":
@@ -128,6 +128,8 @@ class ReplicateState:
         if p.local.requires_grad:
             p.local.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad(i))
 
+    # Eager under torch.compile (see FSDPState._pre_forward).
+    @eager_only
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         for i, p in enumerate(self.params):
             if p.local.device != p.replicated._local_tensor.device and p.follow_module():
@@ -139,6 +141,7 @@ class ReplicateState:
                 )
             p.use_local()
 
+    @eager_only
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         for p in self.params:
             p.use_replicated()

@@ -61,9 +61,8 @@ class FSDPState:
     # ------------------------------------------------------------------ install
     def install(self) -> None:
         """Register the forward hooks and one post-accumulate-grad hook per trainable parameter."""
-        pre, post = eager_only(self._pre_forward), eager_only(self._post_forward)
-        self._handles.append(self.module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
-        self._handles.append(self.module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        self._handles.append(self.module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True))
         self._install_grad_hooks()
 
     def __deepcopy__(self, memo: dict) -> "FSDPState":
@@ -113,6 +112,9 @@ class FSDPState:
             state.root = self
 
     # ------------------------------------------------------------------ forward
+    # Eager under torch.compile (a compiled block calls it between graphs, shardwise/compile.py);
+    # decorated here rather than wrapped at registration, so copy.deepcopy(model) rebinds it.
+    @eager_only
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._check_materialized()
         self._lazy_init()
@@ -122,6 +124,7 @@ class FSDPState:
             args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
         return args, kwargs
 
+    @eager_only
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         self.group.use_sharded()
         backward_follows = torch.is_grad_enabled() and self.group.num_requires_grad > 0
