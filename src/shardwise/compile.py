@@ -32,7 +32,7 @@ from shardwise.mesh import DeviceMesh
 from shardwise.placement import Partial, Placement, Replicate, Shard
 from shardwise.spec import DTensorSpec, TensorMeta
 
-__all__ = ["eager_only", "opaque", "register_constants", "tracing", "pack", "unpack", "Packed"]
+__all__ = ["eager_only", "never_compiled", "opaque", "register_constants", "tracing", "pack", "unpack", "Packed"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -110,6 +110,17 @@ def eager_only(fn: F) -> F:
     (``fully_shard``, ``replicate``): the block's compute between them is one graph, as when
     torch compiles each block of an FSDP2 model."""
     return torch._dynamo.disable(fn, reason="shardwise data-parallel hook: runs eagerly at block boundaries")
+
+
+def never_compiled(fn: F) -> F:
+    """Dynamo never compiles ``fn``'s own frame (no wrapper, nothing on the call path).
+
+    For the dispatcher: it runs below Dynamo (AOTAutograd traces it through
+    ``__torch_dispatch__``), but eager code that a compiled program calls back into (hooks,
+    autograd functions run between graphs) would otherwise have Dynamo compile and recompile
+    its frames per op."""
+    torch._dynamo.eval_frame.skip_code(fn.__code__)
+    return fn
 
 
 _REGISTERED = False

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from shardwise import blocks
-from shardwise.compile import Packed, opaque, pack, tracing, unpack
+from shardwise.compile import Packed, never_compiled, opaque, pack, tracing, unpack
 from shardwise.dispatch import dispatch
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, Replicate, Shard, as_placements
@@ -73,6 +73,7 @@ class DTensor(torch.Tensor):
     )
 
     @classmethod
+    @never_compiled
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return dispatch(func, args, kwargs or {})
 

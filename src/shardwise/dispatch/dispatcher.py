@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from shardwise.compile import never_compiled
 from shardwise.dispatch import registry
 from shardwise.dispatch.propagation import OutputPlan, UnsupportedOp, propagate, with_layouts
 from shardwise.dispatch.strategy import OpSchema
@@ -92,6 +93,7 @@ class implicit_replication:
 
 
 # ---------------------------------------------------------------------- hot path
+@never_compiled
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on DTensors: see the module docstring."""
     DTensor = _DTensor or _dtensor_cls()
