@@ -135,19 +135,18 @@ class Bench:
         torch._dynamo.reset()
         plain = torch.compile(chain, backend=self.args.backend, dynamic=False)
         dist_fn = torch.compile(chain, backend=self.args.backend, dynamic=False)
-        out = {}
-        for name, fn, args in (("plain", plain, (x, w)), ("dtensor", dist_fn, (dx, dw))):
+        variants = (("plain", plain, (x, w)), ("dtensor", dist_fn, (dx, dw)))
+        for _, fn, args in variants:
             for _ in range(3):
                 fn(*args)
-        for name, fn, args in (("plain", plain, (x, w)), ("dtensor", dist_fn, (dx, dw))):
-            samples = []
-            for _ in range(7):
+        samples: dict[str, list[float]] = {"plain": [], "dtensor": []}
+        for _ in range(9):  # interleaved, so load changes hit both alike
+            for name, fn, args in variants:
                 t0 = time.perf_counter()
-                for _ in range(200):
+                for _ in range(100):
                     fn(*args)
-                samples.append((time.perf_counter() - t0) / 200)
-            out[name] = statistics.median(samples)
-        return out["plain"], out["dtensor"]
+                samples[name].append((time.perf_counter() - t0) / 100)
+        return statistics.median(samples["plain"]), statistics.median(samples["dtensor"])
 
     def run(self) -> int:
         from train_step import torch_mesh
