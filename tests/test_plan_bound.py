@@ -40,12 +40,17 @@ def _cases(draw, partial_source: bool):
     return mesh_shape, shape, src, dst
 
 
+def _plan_and_bound(case: tuple) -> tuple:
+    """(mesh shape, the plan with every flattened group available, the true lower bound)."""
+    mesh_shape, shape, src, dst = case
+    plan = plan_redistribute(shape, F32, mesh_shape, src, dst, _all_groups(mesh_shape))
+    return mesh_shape, plan, lower_bound(shape, F32, mesh_shape, src, dst)
+
+
 @settings(max_examples=300, deadline=None)
 @given(_cases(partial_source=False))
 def test_plans_from_values_meet_the_lower_bound(case):
-    mesh_shape, shape, src, dst = case
-    plan = plan_redistribute(shape, F32, mesh_shape, src, dst, _all_groups(mesh_shape))
-    bound = lower_bound(shape, F32, mesh_shape, src, dst)
+    mesh_shape, plan, bound = _plan_and_bound(case)
     assert plan.total_bytes == bound.total, f"{plan}: {plan.sends} vs {bound}"
     assert bound.busiest_any <= plan.busiest_bytes <= bound.busiest, f"{plan}: {plan.sends} vs {bound}"
     assert all(sent >= 0 for sent in plan.sends) and len(plan.sends) == math.prod(mesh_shape)
@@ -54,9 +59,7 @@ def test_plans_from_values_meet_the_lower_bound(case):
 @settings(max_examples=150, deadline=None)
 @given(_cases(partial_source=True))
 def test_plans_from_partial_sources_never_beat_the_bound(case):
-    mesh_shape, shape, src, dst = case
-    plan = plan_redistribute(shape, F32, mesh_shape, src, dst, _all_groups(mesh_shape))
-    bound = lower_bound(shape, F32, mesh_shape, src, dst)
+    _, plan, bound = _plan_and_bound(case)
     assert plan.total_bytes >= bound.total, f"{plan}: {plan.sends} vs {bound}"
     assert plan.busiest_bytes >= bound.busiest_any, f"{plan}: {plan.sends} vs {bound}"
 
