@@ -1,0 +1,450 @@
+"""explain(): what every DTensor op of a block of code did, and why, on this rank.
+
+``with shardwise.debug.explain() as ex:`` records, for each ATen op that reaches the DTensor
+dispatcher: the module running it (named as ``CommDebugMode`` names them), forward or backward,
+the op, its input and output layouts, the strategy the dispatcher chose with the bytes it
+costs and the cheapest alternatives it rejected, and every collective issued for it (mesh axis,
+bytes this rank sends, the layout change it served). Collectives outside any op (an explicit
+``redistribute``, fully_shard's gathers) are filed under their module too.
+
+Layouts are written in shardwise's compact syntax (the one every error message uses):
+
+* ``f32[2048@tp,256]``: dtype short name (f32, bf16, i64, b8 ...), then each dim's GLOBAL
+  size; ``@axis`` after a dim sharded on that mesh axis.
+* ``f32[2048@dp@tp,256]``: a dim sharded on several mesh axes lists them in mesh order.
+* ``f32[8,16]{P(sum)@tp}``: a trailing ``{...}`` lists pending reductions (Partial) and their
+  mesh axes; a tensor without ``@`` or ``{}`` is replicated on every axis.
+
+``print(ex)`` renders a tree per module (with ``rich`` when it is installed, plain text
+otherwise); ``ex.to_json()`` is the same as JSON text and ``Explanation.from_json`` reads it
+back.
+
+Cost: nothing when not explaining. Entering swaps the function ``DTensor.__torch_dispatch__``
+calls for a recording wrapper and adds a collective recorder; leaving puts both back. The
+dispatch cache is untouched: the wrapper asks the dispatcher's propagation (a pure, per-rank
+computation on global metadata) for every call it sees, so a cached call is explained like a
+first one.
+
+Example:
+    >>> with shardwise.debug.explain() as ex:
+    ...     loss = model(x).sum(); loss.backward()
+    >>> print(ex)
+    >>> ex.ops[0].op, ex.ops[0].inputs
+    ('aten.mm', ['f32[8,16]', 'f32[16,64@tp]'])
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from shardwise import comm
+from shardwise.debug.context import current_cause
+from shardwise.debug.module_tracker import GLOBAL, ModuleTracker, current_phase
+from shardwise.mesh import DeviceMesh
+from shardwise.spec import DTensorSpec, render_layout
+
+__all__ = ["explain", "Explanation", "OpEntry", "Strategy", "CollectiveEntry"]
+
+
+# ---------------------------------------------------------------------- records
+@dataclass
+class CollectiveEntry:
+    """One collective: kind, mesh axis, bytes this rank sent, module, phase, what it served."""
+
+    kind: str
+    axis: str
+    bytes: int
+    module: str = GLOBAL
+    phase: str = "forward"
+    cause: str | None = None  # e.g. "f32[8@tp,4] -> f32[8,4]"
+
+    def describe(self) -> str:
+        served = f" ({self.cause})" if self.cause else ""
+        return f"{self.kind} on {self.axis}: {_size(self.bytes)}{served}"
+
+
+@dataclass
+class Strategy:
+    """One candidate layout of an op: where its DTensor inputs must be, where its outputs land,
+    and the bytes the busiest rank sends to move the inputs there."""
+
+    inputs: list[str]
+    outputs: list[str]
+    cost_bytes: float
+
+    def describe(self) -> str:
+        cost = "impossible" if self.cost_bytes == float("inf") else _size(int(self.cost_bytes))
+        return f"({', '.join(self.inputs)}) -> ({', '.join(self.outputs)}) [{cost}]"
+
+
+@dataclass
+class OpEntry:
+    """One op on DTensors: where it ran, its layouts, its strategy and its collectives.
+
+    ``kind`` is the dispatcher's action: "run" (a sharding strategy chose the layouts: see
+    ``chosen`` and ``alternatives``), "custom" (a handler of its own), "decompose" (its parts
+    follow as ops of ``depth + 1``) or "error" (the op raised).
+    """
+
+    op: str
+    module: str
+    phase: str
+    inputs: list[str]
+    outputs: list[str] = field(default_factory=list)
+    kind: str = "run"
+    chosen: Strategy | None = None
+    alternatives: list[Strategy] = field(default_factory=list)
+    collectives: list[CollectiveEntry] = field(default_factory=list)
+    depth: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.collectives)
+
+
+@dataclass
+class Explanation:
+    """What ``explain`` recorded on this rank (``print`` it, or read ``ops`` / ``to_json``)."""
+
+    rank: int = 0
+    modules: list[str] = field(default_factory=list)  # in order of first entry
+    ops: list[OpEntry] = field(default_factory=list)
+    collectives: list[CollectiveEntry] = field(default_factory=list)  # outside any op
+
+    def all_collectives(self) -> list[CollectiveEntry]:
+        """Every collective, those of ops and those outside any op."""
+        return [c for op in self.ops for c in op.collectives] + self.collectives
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes for c in self.all_collectives())
+
+    # ------------------------------------------------------------------ data
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        """The explanation as JSON text (``Explanation.from_json`` reads it back)."""
+        return json.dumps(self.to_dict(), indent=indent, default=_json_default)
+
+    @classmethod
+    def from_json(cls, text: str | dict) -> "Explanation":
+        data = json.loads(text) if isinstance(text, str) else text
+        ops = []
+        for o in data["ops"]:
+            chosen = Strategy(**o["chosen"]) if o["chosen"] is not None else None
+            ops.append(OpEntry(**{**o, "chosen": chosen,
+                                  "alternatives": [Strategy(**a) for a in o["alternatives"]],
+                                  "collectives": [CollectiveEntry(**c) for c in o["collectives"]]}))
+        return cls(data["rank"], list(data["modules"]), ops, [CollectiveEntry(**c) for c in data["collectives"]])
+
+    # ------------------------------------------------------------------ rendering
+    def render(self, rich: bool | None = None) -> str:
+        """The tree per module as text; ``rich`` (default: when installed) draws it with rich."""
+        if rich is None:
+            rich = _rich_available()
+        return _render_rich(self) if rich else _render_plain(self)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _json_default(value: Any) -> Any:
+    if value == float("inf"):
+        return "inf"
+    raise TypeError(f"not JSON serializable: {value!r}")
+
+
+# ---------------------------------------------------------------------- recording
+_ACTIVE: list["explain"] = []
+
+
+class explain:
+    """Context manager: record every DTensor op and collective inside it (see the module docstring).
+
+    Args:
+        alternatives: how many rejected candidates to keep per op, cheapest first.
+    """
+
+    def __init__(self, alternatives: int = 2) -> None:
+        self.alternatives = alternatives
+        self.explanation = Explanation()
+        self._stack: list[OpEntry] = []
+        self._tracker: ModuleTracker | None = None
+        self._saved: Callable | None = None
+
+    # The Explanation's reading side, so ``ex`` works as the result directly.
+    def __getattr__(self, name: str) -> Any:
+        if name == "explanation":  # not set yet (construction failed): no recursion
+            raise AttributeError(name)
+        return getattr(self.explanation, name)
+
+    def __str__(self) -> str:
+        return str(self.explanation)
+
+    def __enter__(self) -> "explain":
+        if _ACTIVE:
+            raise RuntimeError("shardwise.debug.explain() is already active: explain blocks do not nest")
+        from shardwise import dtensor
+
+        self.explanation = Explanation(rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+        self._tracker = ModuleTracker()
+        self._tracker.start()
+        self._saved = dtensor.dispatch
+        inner = self._saved
+
+        def recording_dispatch(func, args, kwargs):
+            return self._dispatch(inner, func, args, kwargs)
+
+        dtensor.dispatch = recording_dispatch
+        comm.add_recorder(self)
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from shardwise import dtensor
+
+        _ACTIVE.remove(self)
+        comm.remove_recorder(self)
+        dtensor.dispatch = self._saved
+        if self._tracker is not None:
+            self.explanation.modules = list(self._tracker.modules)
+            self._tracker.stop()
+
+    # ------------------------------------------------------------------ hooks
+    def _where(self) -> tuple[str, str]:
+        active = self._tracker.active() if self._tracker is not None else ()
+        return (active[-1] if active else GLOBAL), current_phase().value
+
+    def _dispatch(self, inner: Callable, func: Any, args: tuple, kwargs: dict) -> Any:
+        module, phase = self._where()
+        dtensors = _dtensors(args, kwargs)
+        entry = OpEntry(_op_name(func), module, phase, [dt._spec.render() for dt in dtensors], depth=len(self._stack))
+        self.explanation.ops.append(entry)
+        try:
+            _strategy(entry, func, args, kwargs, dtensors, self.alternatives)
+        except Exception:  # noqa: BLE001 - the op itself raises it below, with its message
+            entry.kind = "error"
+        self._stack.append(entry)
+        try:
+            out = inner(func, args, kwargs)
+        except BaseException:
+            entry.kind = "error"
+            raise
+        finally:
+            self._stack.pop()
+        entry.outputs = [dt._spec.render() for dt in _dtensors(out if isinstance(out, (tuple, list)) else (out,), {})]
+        return out
+
+    def record(self, kind: str, mesh: DeviceMesh, axis: int, bytes_sent: int) -> None:
+        """Called by ``comm`` for each collective (the ``CommRecorder`` protocol)."""
+        module, phase = self._where()
+        cause = current_cause()
+        served = None
+        if cause is not None and cause.src is not None and cause.dst is not None:
+            served = f"{cause.src.render()} -> {cause.dst.render()}"
+        entry = CollectiveEntry(kind, mesh.axis_name(axis), bytes_sent, module, phase, served)
+        (self._stack[-1].collectives if self._stack else self.explanation.collectives).append(entry)
+
+
+def _dtensors(args: Any, kwargs: dict) -> list:
+    """The DTensors among the arguments (one level of lists), in the dispatcher's order."""
+    from shardwise.dtensor import DTensor
+
+    found = []
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, DTensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [v for v in value if isinstance(v, DTensor)]
+    return found
+
+
+def _op_name(func: Any) -> str:
+    return str(func).replace("aten::", "aten.").replace(".default", "")
+
+
+# ---------------------------------------------------------------------- strategies
+def _strategy(entry: OpEntry, func: Any, args: tuple, kwargs: dict, dtensors: list, keep: int) -> None:
+    """Fill ``entry.kind``, ``chosen`` and ``alternatives`` from the dispatcher's own propagation."""
+    from shardwise.dispatch import dispatcher
+
+    if not dtensors:
+        entry.kind = "custom"
+        return
+    dispatcher._dtensor_cls()
+    plan = dispatcher._propagate(func, args, kwargs, dtensors)
+    entry.kind = plan.action
+    if plan.action != "run":
+        return
+    specs = [dt._spec for dt in dtensors]
+    outputs = [s for s in plan.output_specs]
+    chosen_inputs = tuple(t.placements if t is not None else s.placements for s, t in zip(specs, plan.input_specs))
+    entry.chosen = _as_strategy(specs, chosen_inputs, outputs, [s.placements if s is not None else None for s in outputs])
+    candidates = _candidates(func, args, kwargs, specs, len(outputs))
+    chosen_key = (chosen_inputs, tuple(s.placements if s is not None else None for s in outputs))
+    ranked = []
+    for index, c in enumerate(candidates):
+        inputs = tuple(t if t is not None else s.placements for s, t in zip(specs, c.inputs))
+        if (inputs, tuple(c.outputs)) == chosen_key or len(c.inputs) != len(specs):
+            continue
+        cost = _cost(specs, c.inputs)
+        if cost[0] != float("inf"):
+            ranked.append((cost, index, inputs, c.outputs))
+    ranked.sort(key=lambda r: (r[0], r[1]))
+    seen: set = set()
+    for _, _, inputs, outs in ranked:
+        if (inputs, tuple(outs)) in seen:
+            continue
+        seen.add((inputs, tuple(outs)))
+        entry.alternatives.append(_as_strategy(specs, inputs, outputs, list(outs)))
+        if len(entry.alternatives) >= keep:
+            break
+
+
+def _candidates(func: Any, args: tuple, kwargs: dict, specs: list, num_outputs: int) -> list:
+    """Every candidate the op's registration lists that propagation would consider."""
+    from shardwise.dispatch import propagation, registry
+    from shardwise.dispatch.strategy import OpSchema, expand, replicate_all
+
+    schema = OpSchema(func, _spec_tree(args), tuple((k, v) for k, v in zip(kwargs, _spec_tree(kwargs.values()))),
+                      tuple(specs))
+    registration = registry.lookup(func)
+    if registration is None:
+        return [replicate_all(schema, num_outputs)]
+    if registration.kind == "rule":
+        candidates = [registration.fn(schema)]
+    elif registration.per_axis:
+        candidates = expand(registration.fn(schema), num_outputs, schema.mesh.ndim)
+    else:
+        candidates = registration.fn(schema)
+    return [c for c in candidates if c is not None and propagation._valid_outputs(c)
+            and propagation._keeps_mutated(func, schema, c)]
+
+
+def _spec_tree(values: Any) -> tuple:
+    from shardwise.dtensor import DTensor
+
+    out = []
+    for v in values:
+        if isinstance(v, DTensor):
+            out.append(v._spec)
+        elif isinstance(v, (list, tuple)):
+            out.append(_spec_tree(v))
+        else:
+            out.append(v)
+    return tuple(out)
+
+
+def _cost(specs: list, targets: tuple) -> tuple[float, int]:
+    """What ``strategy.choose`` ranks by: bytes moved, then mesh axes changed."""
+    from shardwise.dispatch.strategy import _changed_axes, input_cost
+
+    return (sum(input_cost(s, t) for s, t in zip(specs, targets)), sum(_changed_axes(s, t) for s, t in zip(specs, targets)))
+
+
+def _as_strategy(specs: list, inputs: tuple, out_specs: list, out_placements: list) -> Strategy:
+    ins = [render_layout(s.mesh, p, s.tensor_meta) for s, p in zip(specs, inputs)]
+    outs = [render_layout(o.mesh, p, o.tensor_meta) for o, p in zip(out_specs, out_placements)
+            if isinstance(o, DTensorSpec) and p is not None]
+    cost = sum(_input_cost(s, p) for s, p in zip(specs, inputs))
+    return Strategy(ins, outs, cost)
+
+
+def _input_cost(spec: DTensorSpec, target: tuple) -> float:
+    from shardwise.dispatch.strategy import input_cost
+
+    return input_cost(spec, target)
+
+
+# ---------------------------------------------------------------------- rendering
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _rich_available() -> bool:
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _op_lines(op: OpEntry) -> list[str]:
+    """The op's own line, then its strategy and collectives (indented by the caller)."""
+    back = " (backward)" if op.phase == "backward" else ""
+    head = f"{op.op}{back}: {', '.join(op.inputs)} -> {', '.join(op.outputs) or '-'}"
+    lines = [head]
+    if op.kind != "run":
+        lines.append(f"  strategy: {op.kind}")
+    elif op.chosen is not None:
+        lines.append(f"  chose {op.chosen.describe()}")
+        lines += [f"  over  {alt.describe()}" for alt in op.alternatives]
+    lines += [f"  {c.describe()}" for c in op.collectives]
+    return lines
+
+
+def _by_module(ex: Explanation) -> list[tuple[str, list]]:
+    """(module, its ops and loose collectives in order) for Global and every module entered."""
+    names = [GLOBAL, *[m for m in ex.modules if m != GLOBAL]]
+    names += [m for m in dict.fromkeys(o.module for o in ex.ops) if m not in names]
+    items: dict[str, list] = {n: [] for n in names}
+    for op in ex.ops:
+        items[op.module].append(op)
+    for c in ex.collectives:
+        items.setdefault(c.module, []).append(c)
+    return [(n, items[n]) for n in names]
+
+
+def _item_lines(item: Any) -> list[str]:
+    if isinstance(item, OpEntry):
+        pad = "  " * item.depth
+        return [pad + line for line in _op_lines(item)]
+    return [f"{item.describe()} (outside any op" + (", backward)" if item.phase == "backward" else ")")]
+
+
+def _header(ex: Explanation) -> str:
+    n = len(ex.all_collectives())
+    return f"explain (rank {ex.rank}): {len(ex.ops)} ops, {n} collectives, {_size(ex.bytes_sent)} sent"
+
+
+def _render_plain(ex: Explanation) -> str:
+    lines = [_header(ex)]
+    for module, items in _by_module(ex):
+        if not items and module == GLOBAL:
+            continue
+        depth = 0 if module == GLOBAL else module.count(".") + 1
+        lines.append("  " * depth + f"{module}")
+        for item in items:
+            lines += ["  " * (depth + 1) + line for line in _item_lines(item)]
+    return "\n".join(lines)
+
+
+def _render_rich(ex: Explanation) -> str:
+    from rich.console import Console
+    from rich.text import Text
+    from rich.tree import Tree
+
+    root = Tree(Text(_header(ex)))
+    nodes: dict[str, Any] = {}
+    for module, items in _by_module(ex):
+        if not items and module == GLOBAL:
+            continue
+        parent = nodes.get(module.rsplit(".", 1)[0], root) if "." in module else root
+        node = nodes[module] = parent.add(Text(module, style="bold"))
+        for item in items:
+            lines = _item_lines(item)
+            sub = node.add(Text(lines[0].strip()))
+            for line in lines[1:]:
+                sub.add(Text(line.strip()))
+    out = io.StringIO()
+    Console(file=out, width=160, color_system=None).print(root)
+    return out.getvalue().rstrip("\n")
