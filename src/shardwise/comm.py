@@ -16,7 +16,10 @@ communication). A collective that does not complete within the collective timeou
 (``set_collective_timeout``, ``$SHARDWISE_COLLECTIVE_TIMEOUT``, default 300 s) raises
 ``CollectiveTimeout`` naming it (kind, #seq, mesh axis, group ranks, bytes) and the ranks that
 did not arrive (``shardwise.stall``); one cut short because a peer process went away raises
-``PeerLost``. The hot path pays a dict update and a ``try``; the diagnosis runs only on failure.
+``PeerLost``. The hot path pays a dict update, a ``try`` and a ring-buffer append (the last
+``RECENT`` collectives, named in the timeout message: ``recent_calls``); the diagnosis runs only
+on failure. ``shardwise.debug.check_collectives`` (or ``$SHARDWISE_CHECK_COLLECTIVES=1``) swaps
+``_issue`` for one that first compares the collective across the group.
 
 Under ``torch.compile`` the blocks are fake or functional tensors: each collective is then
 issued as a functional collective (``torch.ops._c10d_functional`` with its ``wait_tensor``), so
@@ -30,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Protocol, Sequence
@@ -44,7 +48,7 @@ __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_counts", "scatter", "broadcast",
     "all_gather_object", "barrier", "CommRecorder", "add_recorder", "remove_recorder",
     "set_collective_timeout", "collective_timeout", "TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S",
-    "CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost", "ring_shift",
+    "CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost", "ring_shift", "recent_calls",
 ]
 
 
@@ -197,6 +201,21 @@ _PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Bro
 
 # Per process group: collectives this rank has issued on it (the ``#seq`` of the messages).
 _SEQ: dict[object, int] = {}
+# The last collectives this rank issued, raw (made readable only on failure: ``recent_calls``).
+RECENT = 4
+_RECENT: deque = deque(maxlen=RECENT)
+
+
+def recent_calls() -> list[CollectiveCall]:
+    """The last ``RECENT`` collectives this rank issued through ``_issue``, oldest first."""
+    calls = []
+    for kind, seq, group, mesh, axis, nbytes in list(_RECENT):
+        try:
+            ranks = tuple(dist.get_process_group_ranks(group))
+        except Exception:  # noqa: BLE001 - a group destroyed since
+            ranks = ()
+        calls.append(CollectiveCall(kind, seq, ranks, mesh.axis_name(axis) if mesh is not None else None, nbytes))
+    return calls
 
 
 def _issue(kind: str, mesh: DeviceMesh | None, axis: int, nbytes: int, collective: Callable, *args, **kwargs):
@@ -204,6 +223,7 @@ def _issue(kind: str, mesh: DeviceMesh | None, axis: int, nbytes: int, collectiv
     it, and turn a gloo timeout or lost peer into an error that names it."""
     group = mesh.get_group(axis) if mesh is not None else dist.group.WORLD
     seq = _SEQ[group] = _SEQ.get(group, 0) + 1
+    _RECENT.append((kind, seq, group, mesh, axis, nbytes))
     if seq == 1:
         _adopt_timeout(group)
     if mesh is not None:
@@ -525,3 +545,9 @@ def ring_shift(tensors: Sequence[torch.Tensor], mesh: DeviceMesh, axis: int,
         return recvs
 
     return wait
+
+
+if os.environ.get("SHARDWISE_CHECK_COLLECTIVES"):  # read once, at import: see shardwise.debug.check
+    from shardwise.debug.check import enable_from_env
+
+    enable_from_env()

@@ -12,6 +12,9 @@ then gives the other members of its group a short grace to post theirs:
 * a member that posted nothing did not arrive: it is dead, stuck outside any collective, or
   far behind.
 
+Each post also carries the last collectives that rank issued (``comm.recent_calls``), and the
+message lists them per rank that posted: where the ranks parted.
+
 Nothing is stored or exchanged until a collective has already failed.
 """
 
@@ -60,7 +63,8 @@ def diagnose(call: "CollectiveCall", rank: int, timeout_s: float,
     """Post this rank's stalled ``call``, collect the group's posts; return (missing ranks, message).
 
     The message is one line: ``rank 0 waited 5 s for all_reduce #3 over mesh axis 'dp' (ranks
-    [0, 1], 16 B); rank 1 did not arrive``. Missing is None when the store is unreachable.
+    [0, 1], 16 B); rank 1 did not arrive; last collectives issued: rank 0: all_gather #2 on
+    'dp', all_reduce #3 on 'dp'``. Missing is None when the store is unreachable.
     ``store`` defaults to the job's (``job_store``).
     """
     head = f"rank {rank} waited {timeout_s:g} s for {call.describe()}"
@@ -68,14 +72,30 @@ def diagnose(call: "CollectiveCall", rank: int, timeout_s: float,
     if store is None:
         return None, f"{head}; which ranks did not arrive is unknown (no process-group store)"
     others = [r for r in call.group_ranks if r != rank]
+    last = last_issued()
     try:
-        store.set(f"{STALL_PREFIX}{rank}", json.dumps({"key": _key(call), "desc": call.describe()}))
+        store.set(f"{STALL_PREFIX}{rank}", json.dumps({"key": _key(call), "desc": call.describe(), "last": last}))
         posts = _collect(store, others, grace_seconds(timeout_s))
     except Exception as err:  # noqa: BLE001 - its host died with a rank
         return None, f"{head}; which ranks did not arrive is unknown (the job's store is unreachable: {err})"
     missing = tuple(r for r in others if r not in posts)
     elsewhere = {r: p["desc"] for r, p in posts.items() if p["key"] != _key(call)}
-    return missing, head + _verdict(missing, elsewhere)
+    histories = {rank: last, **{r: p.get("last") or [] for r, p in posts.items()}}
+    return missing, head + _verdict(missing, elsewhere) + _histories(histories)
+
+
+def last_issued() -> list[str]:
+    """This rank's last collectives, oldest first, short: ``all_reduce #3 on 'dp'``."""
+    from shardwise import comm
+
+    return [f"{c.kind} #{c.seq} on " + (repr(c.axis) if c.axis is not None else "all ranks")
+            for c in comm.recent_calls()]
+
+
+def _histories(histories: dict[int, list[str]]) -> str:
+    """``; last collectives issued: rank 0: a, b; rank 1: a`` (ranks that posted any)."""
+    parts = [f"rank {r}: {', '.join(h)}" for r, h in sorted(histories.items()) if h]
+    return "; last collectives issued: " + "; ".join(parts) if parts else ""
 
 
 def _key(call: "CollectiveCall") -> list:

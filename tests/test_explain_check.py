@@ -1,0 +1,142 @@
+"""shardwise.debug.explain (per-op layouts, strategies, collectives) and the collective check
+(SHARDWISE_CHECK_COLLECTIVES / check_collectives), on real gloo groups."""
+
+import json
+import os
+import re
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwise as sw
+from shardwise import Replicate, Shard, comm
+from shardwise.debug import CommDebugMode, Explanation, explain
+from shardwise.debug.check import CollectiveMismatch, check_collectives, checking
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def _explain_tp_mlp():
+    from shardwise.dispatch import dispatcher
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from shardwise import dtensor
+
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    reference, model = _mlp(), _mlp()
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(8, 16)
+    model(x)  # every call below is a dispatch-cache hit: explain must still see the strategy
+    with CommDebugMode() as comms, explain() as ex:
+        out = model(x)
+        out.sum().backward()
+    reference(x).sum().backward()
+    values_ok = torch.allclose(out, reference(x), atol=1e-5) and torch.allclose(
+        model[0].weight.grad.full_tensor(), reference[0].weight.grad, atol=1e-5)
+    with explain() as nested_outer:
+        try:
+            with explain():
+                pass
+            nested = "no error"
+        except RuntimeError as err:
+            nested = str(err)
+    restored = dtensor.dispatch is dispatcher.dispatch and not comm._RECORDERS
+    comm_records = [(r.kind, r.axis_name, r.bytes_sent, r.module, r.phase.value) for r in comms.records]
+    return {"json": ex.to_json(), "text": ex.render(rich=False), "str": str(ex), "values_ok": values_ok,
+            "comm_records": comm_records, "nested": nested, "restored": restored, "rank": dist.get_rank()}
+
+
+def test_explain_a_tp_mlp(dist):
+    results = dist.run(4, _explain_tp_mlp)
+    for rank, r in enumerate(results):
+        assert r["values_ok"] and r["restored"] and "do not nest" in r["nested"]
+        ex = Explanation.from_json(r["json"])
+        assert ex.to_json() == r["json"] and json.loads(r["json"])["rank"] == rank  # round trip
+        assert r["text"] == ex.render(rich=False) and r["str"] == ex.render()
+        forward = [(o.module, o.op, o.inputs, o.outputs) for o in ex.ops if o.phase == "forward" and o.depth == 0]
+        assert forward == [
+            ("Sequential.0", "aten.t", ["f32[32@tp,16]"], ["f32[16,32@tp]"]),
+            ("Sequential.0", "aten.addmm", ["f32[32@tp]", "f32[8,16]", "f32[16,32@tp]"], ["f32[8,32@tp]"]),
+            ("Sequential.2", "aten.t", ["f32[16,32@tp]"], ["f32[32@tp,16]"]),
+            ("Sequential.2", "aten.addmm", ["f32[16]", "f32[8,32@tp]", "f32[32@tp,16]"], ["f32[8,16]{P(sum)@tp}"]),
+        ], forward
+        addmm = [o for o in ex.ops if o.op == "aten.addmm"][1]
+        # Row-wise: the chosen layout moves nothing; the bias becomes a partial sum locally.
+        assert addmm.kind == "run" and addmm.chosen.cost_bytes == 0
+        assert addmm.chosen.inputs == ["f32[16]{P(sum)@tp}", "f32[8,32@tp]", "f32[32@tp,16]"]
+        assert addmm.chosen.outputs == ["f32[8,16]{P(sum)@tp}"]
+        costs = [a.cost_bytes for a in addmm.alternatives]
+        assert len(costs) == 2 and costs == sorted(costs) and costs[0] > 0
+        # The only collective: RowwiseParallel's output hook sums the partial output (8x16 f32 on
+        # 4 ranks: reduce-scatter + all-gather, (128 + 2 * 32) * 4 bytes), filed under its module.
+        collectives = [(c.kind, c.axis, c.bytes, c.module, c.phase) for c in ex.all_collectives()]
+        assert collectives == [("all_reduce", "tp", 768, "Sequential.2", "forward")]
+        assert collectives == r["comm_records"]  # the same as CommDebugMode's, bytes included
+        assert any(o.phase == "backward" and o.op == "aten.mm" for o in ex.ops)
+        lines = r["text"].splitlines()
+        assert lines[0] == f"explain (rank {rank}): {len(ex.ops)} ops, 1 collectives, 768 B sent"
+        assert "  Sequential" in lines and "    Sequential.2" in lines
+        assert "      all_reduce on tp: 768 B (outside any op)" in lines
+
+
+# ---------------------------------------------------------------------- the check
+def _diverge():
+    """Four ranks, checking on: a matching program runs and counts as before; then rank 1
+    skips a full_tensor the others issue."""
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    x = sw.distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [Shard(0)])
+    with check_collectives():
+        assert checking()
+        with CommDebugMode() as comms:
+            full = x.full_tensor()  # the check's own exchange is not counted
+        assert comms.get_comm_counts() == {"all_gather": 1} and torch.equal(full, torch.arange(32.0).reshape(8, 4))
+        try:
+            if dist.get_rank() != 1:
+                x.redistribute(mesh, [Replicate()])  # rank 1 skips this one
+            (x * 2).full_tensor()
+        finally:
+            assert checking()
+    raise AssertionError("no mismatch raised")
+
+
+def _diverge_and_time():
+    began = time.monotonic()
+    try:
+        _diverge()
+    except CollectiveMismatch as err:
+        took = time.monotonic() - began
+        if took > 10 or comm._issue.__name__ != "_issue":  # off again after the block
+            raise AssertionError(f"took {took:.1f} s or the check stayed on") from err
+        raise
+
+
+def test_the_check_turns_a_diverging_program_into_one_error_on_every_rank(dist):
+    messages = dist.run_expect_error(4, _diverge_and_time, exc_type=CollectiveMismatch, timeout=30,
+                                     match=r"disagree at their collective #\d+ on this group")
+    assert len(set(messages)) == 1, messages  # the same error on every rank
+    lines = messages[0].splitlines()[1:]
+    seq = re.search(r"#(\d+)", messages[0]).group(1)
+    site = r"at test_explain_check\.py:(\d+) in _diverge"
+    shown = [re.fullmatch(rf"  rank {r}: all_gather #{seq} over mesh axis 'tp' of f32\[8,4\] {site}(   <- differs from rank 0)?",
+                          line) for r, line in enumerate(lines)]
+    assert all(shown) and len(shown) == 4, lines
+    assert [bool(m.group(2)) for m in shown] == [False, True, False, False]  # rank 1 parted
+    assert int(shown[1].group(1)) == int(shown[0].group(1)) + 1  # the full_tensor line after the skipped one
+
+
+def test_the_check_is_off_by_default_and_on_from_the_environment(monkeypatch):
+    """Off: comm's own _issue, nothing in between. The variable turns it on (comm.py calls
+    enable_from_env at import when it is set)."""
+    from shardwise.debug import check
+
+    assert not checking() and comm._issue is check._ORIGINAL_ISSUE
+    for value, on in (("0", False), ("", False), ("1", True)):
+        monkeypatch.setenv(check.CHECK_ENV, value)
+        check.enable_from_env()
+        assert checking() is on
+        check_collectives(False)
+    assert comm._issue is check._ORIGINAL_ISSUE
