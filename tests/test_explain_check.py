@@ -140,3 +140,29 @@ def test_the_check_is_off_by_default_and_on_from_the_environment(monkeypatch):
         assert checking() is on
         check_collectives(False)
     assert comm._issue is check._ORIGINAL_ISSUE
+
+
+# ---------------------------------------------------------------------- the timeout's history
+def _part_ways():
+    """Two ranks agree on one all_reduce, then part: rank 0 waits in an all_reduce on the mesh
+    axis, rank 1 in a barrier of the whole world (another group: no check could pair them)."""
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = comm.all_reduce(torch.ones(4), mesh, 0, "sum")
+    comm.set_collective_timeout(2)
+    if dist.get_rank() == 0:
+        comm.all_reduce(x, mesh, 0, "sum")
+    else:
+        comm.barrier()
+
+
+def test_a_timed_out_collective_names_each_ranks_last_collectives(dist):
+    messages = dist.run_expect_error(2, _part_ways, exc_type=comm.CollectiveTimeout, timeout=60)
+    for rank, message in enumerate(messages):
+        history = re.search(r"; last collectives issued: rank 0: (.*); rank 1: (.*)$", message)
+        assert history, message
+        rank0, rank1 = (h.split(", ") for h in history.groups())
+        # Where they parted: the same all_reduce, then rank 0 a second one, rank 1 the barrier.
+        assert re.fullmatch(r"all_reduce #(\d+) on 'tp'", rank0[-2]) and rank0[-2] == rank1[-2], message
+        assert re.fullmatch(r"all_reduce #\d+ on 'tp'", rank0[-1]) and re.fullmatch(r"barrier #\d+ on all ranks", rank1[-1])
+        stuck = "rank 1 is waiting on barrier" if rank == 0 else "rank 0 is waiting on all_reduce"
+        assert stuck in message, message

@@ -301,7 +301,8 @@ def test_a_stalled_rank_is_named_after_the_collective_timeout(job):
     assert took >= TIMEOUT_S, job.text()
     assert "argv ['--flag', 'x'] world 3" in job.text("out").splitlines(), job.text()  # python -m shardwise.launch
     report = (f"rank 0 waited {TIMEOUT_S} s for all_reduce #3 over mesh axis 'pair' (ranks [0, 1], 16 B); "
-              f"rank 1 did not arrive")
+              f"rank 1 did not arrive; last collectives issued: rank 0: all_reduce #1 on 'pair', "
+              f"all_reduce #2 on 'pair', all_reduce #3 on 'pair'")
     assert f"[rank 0] {report}" in job.text("err").splitlines(), job.text()  # the live rank says it
     assert job.text("err").splitlines()[-1] == f"FAILED: {report} (the other ranks were stopped)"
     _no_tracebacks_but(job, rank=None)
@@ -314,7 +315,8 @@ def test_the_trainers_collective_timeout_names_a_stalled_rank(job):
     assert status == 1, job.text()
     last = job.text("err").splitlines()[-1]
     assert re.fullmatch(rf"FAILED: rank 0 waited {TIMEOUT_S} s for \w+ #\d+ over mesh axis 'dp_shard' "
-                        r"\(ranks \[0, 1\], [^)]+\); rank 1 did not arrive \(the other ranks were stopped\)", last), last
+                        r"\(ranks \[0, 1\], [^)]+\); rank 1 did not arrive; last collectives issued: rank 0: (\w+ #\d+ on "
+                        r"'\w+', ){0,3}\w+ #\d+ on 'dp_shard' \(the other ranks were stopped\)", last), last
     job.assert_nothing_left()
 
 
@@ -392,18 +394,22 @@ def test_collective_timeout_setting(monkeypatch):
         comm.collective_timeout()
 
 
-def test_stall_diagnosis_names_absent_ranks_and_ranks_stuck_elsewhere():
+def test_stall_diagnosis_names_absent_ranks_and_ranks_stuck_elsewhere(monkeypatch):
     """Four ranks of a group: 0 times out on all_reduce #7; 1 posted the same; 2 waits in
-    another collective; 3 posted nothing."""
+    another collective; 3 posted nothing. Each post's last collectives are listed, per rank."""
     store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     call = comm.CollectiveCall("all_reduce", 7, (0, 1, 2, 3), "dp", 4096)
     other = comm.CollectiveCall("broadcast", 2, (2, 5), "tp", 8)
+    last = {1: ["all_gather #6 on 'dp'", "all_reduce #7 on 'dp'"], 2: ["broadcast #2 on 'tp'"]}
     for rank, posted in ((1, call), (2, other)):
-        store.set(f"{stall.STALL_PREFIX}{rank}", json.dumps({"key": stall._key(posted), "desc": posted.describe()}))
+        store.set(f"{stall.STALL_PREFIX}{rank}", json.dumps({"key": stall._key(posted), "desc": posted.describe(),
+                                                             "last": last[rank]}))
+    monkeypatch.setattr(stall, "last_issued", lambda: ["all_reduce #6 on 'dp'", "all_reduce #7 on 'dp'"])
     began = time.monotonic()
     missing, message = stall.diagnose(call, 0, 2.0, store=store)
     assert missing == (3,)
     assert message == ("rank 0 waited 2 s for all_reduce #7 over mesh axis 'dp' (ranks [0, 1, 2, 3], 4.0 KiB); "
                        "rank 3 did not arrive; rank 2 is waiting on broadcast #2 over mesh axis 'tp' (ranks [2, 5], "
-                       "8 B) instead")
+                       "8 B) instead; last collectives issued: rank 0: all_reduce #6 on 'dp', all_reduce #7 on 'dp'; "
+                       "rank 1: all_gather #6 on 'dp', all_reduce #7 on 'dp'; rank 2: broadcast #2 on 'tp'")
     assert time.monotonic() - began >= stall.grace_seconds(2.0)  # rank 3 had its grace
