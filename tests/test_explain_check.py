@@ -142,7 +142,43 @@ def test_the_check_is_off_by_default_and_on_from_the_environment(monkeypatch):
     assert comm._issue is check._ORIGINAL_ISSUE
 
 
+# ---------------------------------------------------------------------- the trainer's --explain
+def _train_explained(argv: list[str]):
+    import contextlib
+    import io
+
+    from shardwise.train import cli
+    from shardwise.train.trainer import Runtime, train
+
+    runs = {}
+    for extra in ([], ["--explain"]):
+        job = cli.job_from_argv(argv + extra)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            runs[bool(extra)] = (train(job, Runtime.create(job)).losses, out.getvalue())
+    return runs
+
+
+def test_the_trainers_explain_prints_the_first_step_and_continues(dist):
+    argv = ["--config", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--tp", "2",
+            "--log-every", "1000", "--device", "cpu"]
+    runs = dist.run(2, _train_explained, argv)
+    for rank, r in enumerate(runs):
+        (plain_losses, plain_out), (losses, out) = r[False], r[True]
+        assert losses == plain_losses and len(losses) == 2  # explaining changes nothing, and training goes on
+        assert "explain (rank" not in plain_out
+        if rank:
+            assert "explain (rank" not in out  # rank 0 only
+            continue
+        assert out.count("explain (rank 0): ") == 1  # the first step only
+        tree = out[out.index("explain (rank 0): "):]
+        assert re.search(r"^  Transformer\n", tree, re.M)
+        assert re.search(r"^        Transformer\.layers\.0\.attention\.wq\n          aten\.\w+", tree, re.M), tree[:3000]
+        assert re.search(r"all_reduce on tp: \d+", tree) and "(backward)" in tree
+
+
 # ---------------------------------------------------------------------- the timeout's history
+# Last in the file: the timed-out groups end the 2-rank pool (the harness starts a fresh one).
 def _part_ways():
     """Two ranks agree on one all_reduce, then part: rank 0 waits in an all_reduce on the mesh
     axis, rank 1 in a barrier of the whole world (another group: no check could pair them)."""

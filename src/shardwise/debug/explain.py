@@ -20,7 +20,7 @@ otherwise); ``ex.to_json()`` is the same as JSON text and ``Explanation.from_jso
 back.
 
 Cost: nothing when not explaining. Entering swaps the function ``DTensor.__torch_dispatch__``
-calls for a recording wrapper and adds a collective recorder; leaving puts both back. The
+calls (``shardwise.dtensor.dispatch``) for a recording wrapper and adds a collective recorder; leaving puts both back. The
 dispatch cache is untouched: the wrapper asks the dispatcher's propagation (a pure, per-rank
 computation on global metadata) for every call it sees, so a cached call is explained like a
 first one.
@@ -43,6 +43,7 @@ from typing import Any, Callable
 import torch
 
 from shardwise import comm
+from shardwise.compile import never_compiled
 from shardwise.debug.context import current_cause
 from shardwise.debug.module_tracker import GLOBAL, ModuleTracker, current_phase
 from shardwise.mesh import DeviceMesh
@@ -196,12 +197,7 @@ class explain:
         self._tracker = ModuleTracker()
         self._tracker.start()
         self._saved = dtensor.dispatch
-        inner = self._saved
-
-        def recording_dispatch(func, args, kwargs):
-            return self._dispatch(inner, func, args, kwargs)
-
-        dtensor.dispatch = recording_dispatch
+        dtensor.dispatch = _recording_dispatch
         comm.add_recorder(self)
         _ACTIVE.append(self)
         return self
@@ -209,9 +205,9 @@ class explain:
     def __exit__(self, *exc) -> None:
         from shardwise import dtensor
 
-        _ACTIVE.remove(self)
-        comm.remove_recorder(self)
         dtensor.dispatch = self._saved
+        comm.remove_recorder(self)
+        _ACTIVE.remove(self)
         if self._tracker is not None:
             self.explanation.modules = list(self._tracker.modules)
             self._tracker.stop()
@@ -221,6 +217,7 @@ class explain:
         active = self._tracker.active() if self._tracker is not None else ()
         return (active[-1] if active else GLOBAL), current_phase().value
 
+    @never_compiled
     def _dispatch(self, inner: Callable, func: Any, args: tuple, kwargs: dict) -> Any:
         module, phase = self._where()
         dtensors = _dtensors(args, kwargs)
@@ -250,6 +247,13 @@ class explain:
             served = f"{cause.src.render()} -> {cause.dst.render()}"
         entry = CollectiveEntry(kind, mesh.axis_name(axis), bytes_sent, module, phase, served)
         (self._stack[-1].collectives if self._stack else self.explanation.collectives).append(entry)
+
+
+@never_compiled
+def _recording_dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What ``DTensor.__torch_dispatch__`` calls while explaining: record, then dispatch."""
+    active = _ACTIVE[-1]
+    return active._dispatch(active._saved, func, args, kwargs)
 
 
 def _dtensors(args: Any, kwargs: dict) -> list:
@@ -418,10 +422,13 @@ def _header(ex: Explanation) -> str:
 
 def _render_plain(ex: Explanation) -> str:
     lines = [_header(ex)]
-    for module, items in _by_module(ex):
+    modules = _by_module(ex)
+    names = [m for m, _ in modules if m != GLOBAL]
+    for module, items in modules:
         if not items and module == GLOBAL:
             continue
-        depth = 0 if module == GLOBAL else module.count(".") + 1
+        # Indented under the modules entered that contain it (a ModuleList never runs itself).
+        depth = 0 if module == GLOBAL else sum(module.startswith(m + ".") for m in names) + 1
         lines.append("  " * depth + f"{module}")
         for item in items:
             lines += ["  " * (depth + 1) + line for line in _item_lines(item)]
@@ -438,7 +445,8 @@ def _render_rich(ex: Explanation) -> str:
     for module, items in _by_module(ex):
         if not items and module == GLOBAL:
             continue
-        parent = nodes.get(module.rsplit(".", 1)[0], root) if "." in module else root
+        parents = [m for m in nodes if module.startswith(m + ".")]
+        parent = nodes[max(parents, key=len)] if parents else root
         node = nodes[module] = parent.add(Text(module, style="bold"))
         for item in items:
             lines = _item_lines(item)

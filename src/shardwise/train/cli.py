@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the loss curve to this PNG (its directory must exist; checked before training)")
     p.add_argument("--metrics-file", metavar="FILE", default=None,
                    help="write per-step losses etc. as JSON (its directory must exist; checked before training)")
+    p.add_argument("--explain", action="store_true",
+                   help="print what the first step does on rank 0 (per module: every DTensor op's layouts, the "
+                        "strategy chosen and its alternatives, each collective with its bytes), then continue")
     ckpt = p.add_argument_group("checkpoints", "A checkpoint holds the model, the optimizer (AdamW moments and step "
                                 "counts), the learning-rate schedule, the step, the data position and the seed; it "
                                 "loads into any parallel layout and world size.")

@@ -170,6 +170,7 @@ class JobConfig:
         log_every: steps between progress lines.
         plot: write the loss curve to this PNG file.
         metrics_file: write per-step losses and the summary to this JSON file.
+        explain: print ``shardwise.debug.explain``'s tree for the first step (rank 0) and continue.
         checkpoint_dir: save checkpoints to ``<checkpoint_dir>/step-<N>`` (see ``checkpointing.py``):
             every ``checkpoint_every`` steps (None: only at the end of the run) and at its end.
         resume: continue from the latest checkpoint in ``checkpoint_dir`` (any layout).
@@ -207,6 +208,7 @@ class JobConfig:
     resume: bool = False
     stop_after: int | None = None
     collective_timeout: float = 120.0
+    explain: bool = False
 
     # ------------------------------------------------------------------ derived values
     def model_args(self) -> ModelArgs:

@@ -34,6 +34,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -297,12 +298,13 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
     for step in range(first, job.last_step):
         progress.step = step + 1
         inputs, labels = (t.to(runtime.device) for t in data.batch_at(step))
-        with _step_context(job, runtime, model, inputs, labels):
-            loss = loss_fn(model(inputs), labels)
-            loss.backward()
-        if job.max_norm > 0:
-            clip_grad_norm_(model.parameters(), job.max_norm)
-        optimizer.step()
+        with _explaining(job, runtime, step == first):
+            with _step_context(job, runtime, model, inputs, labels):
+                loss = loss_fn(model(inputs), labels)
+                loss.backward()
+            if job.max_norm > 0:
+                clip_grad_norm_(model.parameters(), job.max_norm)
+            optimizer.step()
         metrics.record_state(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
         value = _local_value(loss)
@@ -317,6 +319,20 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
             metrics.flush(state.step)
     progress.finished = True
     return metrics
+
+
+@contextlib.contextmanager
+def _explaining(job: JobConfig, runtime: Runtime, first_step: bool) -> Iterator[None]:
+    """``--explain``: record the first step on rank 0 (recording is local: the other ranks run
+    as usual) and print the tree when it ends."""
+    if not (job.explain and first_step and runtime.rank == 0):
+        yield
+        return
+    from shardwise.debug import explain
+
+    with explain() as ex:
+        yield
+    print(ex, flush=True)
 
 
 def _restore(job: JobConfig, runtime: Runtime, checkpointer: Checkpointer, state: TrainState) -> int:
