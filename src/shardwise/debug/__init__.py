@@ -6,9 +6,11 @@ torch's collective ops, per module, with bytes) and ``visualize_sharding``; and 
 ``check_collectives`` (ranks compare each collective before issuing it).
 """
 
+from shardwise.debug.check import CollectiveMismatch, check_collectives
 from shardwise.debug.comm_mode import CommDebugMode, CommRecord
 from shardwise.debug.counts import CommCounts
 from shardwise.debug.explain import Explanation, explain
 from shardwise.debug.visualize import visualize_sharding
 
-__all__ = ["CommDebugMode", "CommRecord", "CommCounts", "visualize_sharding", "explain", "Explanation"]
+__all__ = ["CommDebugMode", "CommRecord", "CommCounts", "visualize_sharding", "explain", "Explanation",
+           "check_collectives", "CollectiveMismatch"]
