@@ -316,7 +316,7 @@ def test_the_trainers_collective_timeout_names_a_stalled_rank(job):
     last = job.text("err").splitlines()[-1]
     assert re.fullmatch(rf"FAILED: rank 0 waited {TIMEOUT_S} s for \w+ #\d+ over mesh axis 'dp_shard' "
                         r"\(ranks \[0, 1\], [^)]+\); rank 1 did not arrive; last collectives issued: rank 0: (\w+ #\d+ on "
-                        r"'\w+', ){0,3}\w+ #\d+ on 'dp_shard' \(the other ranks were stopped\)", last), last
+                        r"('\w+'|all ranks), ){0,3}\w+ #\d+ on 'dp_shard' \(the other ranks were stopped\)", last), last
     job.assert_nothing_left()
 
 
