@@ -89,7 +89,8 @@ class OpEntry:
 
     ``kind`` is the dispatcher's action: "run" (a sharding strategy chose the layouts: see
     ``chosen`` and ``alternatives``), "custom" (a handler of its own), "decompose" (its parts
-    follow as ops of ``depth + 1``) or "error" (the op raised).
+    follow as ops of ``depth + 1``), "error" (the op raised) or "unknown" (its strategy could not
+    be recomputed; layouts and collectives are still recorded).
     """
 
     op: str
@@ -225,8 +226,8 @@ class explain:
         self.explanation.ops.append(entry)
         try:
             _strategy(entry, func, args, kwargs, dtensors, self.alternatives)
-        except Exception:  # noqa: BLE001 - the op itself raises it below, with its message
-            entry.kind = "error"
+        except Exception:  # noqa: BLE001 - a bad call raises below, with its own message
+            entry.kind = "unknown"
         self._stack.append(entry)
         try:
             out = inner(func, args, kwargs)
