@@ -2,7 +2,6 @@
 (SHARDWISE_CHECK_COLLECTIVES / check_collectives), on real gloo groups."""
 
 import json
-import os
 import re
 import time
 
@@ -22,9 +21,9 @@ def _mlp() -> nn.Module:
 
 
 def _explain_tp_mlp():
+    from shardwise import dtensor
     from shardwise.dispatch import dispatcher
     from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from shardwise import dtensor
 
     mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     reference, model = _mlp(), _mlp()
@@ -37,7 +36,7 @@ def _explain_tp_mlp():
     reference(x).sum().backward()
     values_ok = torch.allclose(out, reference(x), atol=1e-5) and torch.allclose(
         model[0].weight.grad.full_tensor(), reference[0].weight.grad, atol=1e-5)
-    with explain() as nested_outer:
+    with explain():
         try:
             with explain():
                 pass
