@@ -55,3 +55,122 @@ def test_async_redistribute_equals_blocking(dist):
             assert not sync_ran_ahead, (shape, src, dst)
         # an all_gather along dim 0 needs nothing local after it: the result is still in flight
         assert any(ran_ahead for *_, ran_ahead, _, _ in per_rank)
+
+
+# ---------------------------------------------------------------------- fully_shard prefetch
+class _Block(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, widths: list[int], d: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(d, h) for h in widths)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Events:
+    """Collectives (named by the layer whose bytes they carry) and layer computations, in order."""
+
+    def __init__(self, names: dict[tuple[str, int], str]) -> None:
+        self.names, self.log = names, []
+
+    def record(self, kind, mesh, axis, nbytes) -> None:
+        self.log.append(self.names.get((kind, nbytes), f"{kind}?{nbytes}"))
+
+
+def _prefetch_run(mode: str):
+    """Two training steps of a 3-block stack; the second one's events, values, grads, memory."""
+    from shardwise import comm
+    from shardwise.fsdp.memory import UnshardedMemory
+    from shardwise.fsdp.state import state_of
+
+    mesh = sw.init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    widths = [12, 20, 28]
+    model = _Stack(widths)
+    reference = _Stack(widths)
+    reference.load_state_dict(model.state_dict())
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    layers = list(model.layers)
+    if mode == "off":
+        for layer in layers + [model]:
+            layer.set_modules_to_forward_prefetch([])
+            layer.set_modules_to_backward_prefetch([])
+    elif mode == "explicit":  # the first block gathers both others at once
+        layers[0].set_modules_to_forward_prefetch([layers[1], layers[2]])
+        for layer in layers[1:]:
+            layer.set_modules_to_forward_prefetch([])
+    names, block_bytes = {}, 0
+    for i, layer in enumerate(layers):
+        group = state_of(layer).group
+        width = group.layout.per_rank + len(group.params)
+        names[("all_gather", 3 * group.layout.per_rank * 4)] = f"AG{i}"
+        names[("reduce_scatter", 3 * width * 4)] = f"RS{i}"
+        block_bytes = max(block_bytes, sum(p.unsharded_nbytes for p in group.params))
+    assert len(names) == 2 * len(layers)
+    events = _Events(names)
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: events.log.append(f"F{i}"))
+    x = torch.randn(4, 8)
+    model(x).square().mean().backward()  # the first step: the module order is learned
+    events.log.clear()
+    comm.add_recorder(events)
+    try:
+        with UnshardedMemory() as mem:
+            out = model(x)
+            events.log.append("loss")
+            out.square().mean().backward()
+    finally:
+        comm.remove_recorder(events)
+    ref_out = reference(x)
+    ref_out.square().mean().backward()
+    ref_out = reference(x)  # the second step's forward (no optimizer step: the same values)
+    ref_out.square().mean().backward()
+    grads_ok = all(torch.allclose(p.grad.full_tensor(), r.grad, atol=1e-6)
+                   for p, r in zip(model.parameters(), reference.parameters()))
+    return {"log": events.log, "out_ok": torch.allclose(out.full_tensor() if isinstance(out, sw.DTensor) else out,
+                                                         ref_out, atol=1e-6),
+            "grads_ok": grads_ok, "peak": mem.peak_bytes, "staged": mem.peak_bytes_with_staging,
+            "block": block_bytes}
+
+
+def _prefetch_modes():
+    return {mode: _prefetch_run(mode) for mode in ("default", "off", "explicit")}
+
+
+def test_fully_shard_prefetch_order(dist):
+    runs = dist.run(4, _prefetch_modes)
+    for per_rank in runs:
+        for mode, r in per_rank.items():
+            assert r["out_ok"] and r["grads_ok"], mode
+            # at most one block's parameters gathered; one more in flight in the staging buffers
+            assert r["peak"] <= r["block"], (mode, r["peak"], r["block"])
+            if mode != "explicit":  # (which has two blocks in flight at once)
+                assert r["staged"] <= r["block"] * (2 + 1 / 4), (mode, r["staged"], r["block"])
+        on, off, explicit = per_rank["default"]["log"], per_rank["off"]["log"], per_rank["explicit"]["log"]
+        split = on.index("loss")
+        forward, backward = on[:split], on[split + 1:]
+        # forward: block k+1's all_gather is issued before block k computes
+        assert forward == ["AG0", "AG1", "F0", "AG2", "F1", "F2"], on
+        assert off[:off.index("loss")] == ["AG0", "F0", "AG1", "F1", "AG2", "F2"], off
+        assert explicit[:explicit.index("loss")] == ["AG0", "AG1", "AG2", "F0", "F1", "F2"], explicit
+        # backward: block k-1's all_gather is issued before block k's gradients are reduced
+        for k in (2, 1):
+            assert backward.index(f"AG{k - 1}") < backward.index(f"RS{k}"), backward
+        off_backward = off[off.index("loss") + 1:]
+        for k in (2, 1):
+            assert off_backward.index(f"AG{k - 1}") > off_backward.index(f"RS{k}"), off_backward
+        assert sorted(backward) == sorted(off_backward) == ["AG0", "AG1", "AG2", "RS0", "RS1", "RS2"]
