@@ -45,7 +45,7 @@ __all__ = [
     "all_gather_object", "barrier", "CommRecorder", "add_recorder", "remove_recorder",
     "set_collective_timeout", "collective_timeout", "TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost", "ring_shift",
-    "Pending", "all_gather_async", "reduce_scatter_async", "run_ahead",
+    "Pending", "all_gather_async", "reduce_scatter_async", "all_reduce_async", "run_ahead",
 ]
 
 
@@ -585,6 +585,21 @@ def reduce_scatter_async(full: torch.Tensor, mesh: DeviceMesh, axis: int, op: st
     nbytes = (rows.shape[0] - out.shape[0]) * _rest(rows, 0) * rows.element_size()
     return _issue_async("reduce_scatter", mesh, axis, nbytes, _reduce_scatter_single, out, out, rows,
                         op=_REDUCE_OPS[op], finish=lambda t: _finish_avg(t, op, n))
+
+
+def all_reduce_async(tensor: torch.Tensor, mesh: DeviceMesh, axis: int, op: str) -> Pending:
+    """Start reducing ``tensor`` over the axis, in place (the caller hands over a buffer it no
+    longer reads); ``wait()`` gives the result."""
+    if not tensor.is_contiguous():
+        raise ValueError("all_reduce_async reduces in place: it needs a contiguous tensor")
+    n = mesh.size(axis)
+    out = tensor
+    if out.numel() == 0:
+        return Pending(None, out, lambda t: t, ())
+    own = -(-out.numel() // n)
+    nbytes = (out.numel() + (n - 2) * own) * out.element_size()
+    return _issue_async("all_reduce", mesh, axis, nbytes, dist.all_reduce, out, out, op=_REDUCE_OPS[op],
+                        finish=lambda t: _finish_avg(t, op, n))
 
 
 _RUN_AHEAD = [0]
