@@ -5,17 +5,18 @@ The oracle is the blocking call (values and gradients equal) and single-device t
 order of collectives and compute is recorded with a comm recorder and module hooks.
 """
 
-import re
+import ast
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard
 from shardwise.fsdp import fully_shard
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "shardwise"
+SRC = Path(sw.__file__).resolve().parent  # the code under test
 
 
 # ---------------------------------------------------------------------- async redistribute
@@ -79,6 +80,22 @@ class _Stack(nn.Module):
         return x
 
 
+class _HostReads(TorchDispatchMode):
+    """Records the ops that read a tensor's value on the host (``.item()``, ``bool(t)``, ...):
+    on a GPU each one waits for the device to finish everything queued before it."""
+
+    READS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.equal.default"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in self.READS:
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 class _Events:
     """Collectives (named by the layer whose bytes they carry) and layer computations, in order."""
 
@@ -128,8 +145,9 @@ def _prefetch_run(mode: str):
     model(x).square().mean().backward()  # the first step: the module order is learned
     events.log.clear()
     comm.add_recorder(events)
+    syncs = _HostReads()
     try:
-        with UnshardedMemory() as mem:
+        with UnshardedMemory() as mem, syncs:
             out = model(x)
             events.log.append("loss")
             out.square().mean().backward()
@@ -144,7 +162,7 @@ def _prefetch_run(mode: str):
     return {"log": events.log, "out_ok": torch.allclose(out.full_tensor() if isinstance(out, sw.DTensor) else out,
                                                          ref_out, atol=1e-6),
             "grads_ok": grads_ok, "peak": mem.peak_bytes, "staged": mem.peak_bytes_with_staging,
-            "block": block_bytes}
+            "block": block_bytes, "host_reads": syncs.calls}
 
 
 def _prefetch_modes():
@@ -156,6 +174,7 @@ def test_fully_shard_prefetch_order(dist):
     for per_rank in runs:
         for mode, r in per_rank.items():
             assert r["out_ok"] and r["grads_ok"], mode
+            assert r["host_reads"] == [], (mode, r["host_reads"])
             # at most one block's parameters gathered; one more in flight in the staging buffers
             assert r["peak"] <= r["block"], (mode, r["peak"], r["block"])
             if mode != "explicit":  # (which has two blocks in flight at once)
@@ -174,3 +193,55 @@ def test_fully_shard_prefetch_order(dist):
         for k in (2, 1):
             assert off_backward.index(f"AG{k - 1}") > off_backward.index(f"RS{k}"), off_backward
         assert sorted(backward) == sorted(off_backward) == ["AG0", "AG1", "AG2", "RS0", "RS1", "RS2"]
+
+
+# ---------------------------------------------------------------------- no host synchronization
+# Reading a value on the host (.item(), .tolist(), .cpu(), .numpy(), bool(t.any())) waits for the
+# device: none on the hot path (dispatch, redistribute, collectives, DTensor, parallel styles,
+# fully_shard/replicate). The few that stay are here with their reason; a new one fails the audit.
+_HOT = ["dispatch", "redistribute", "fsdp", "parallel/style.py", "parallel/prepare.py", "comm.py", "dtensor.py",
+        "spec.py", "placement.py", "api.py"]
+_HOST_READS = {"item", "tolist", "cpu", "numpy"}
+_ALLOWED = {
+    # only when some parameter has no gradient on this rank: the flags say whether any rank had one
+    ("fsdp/group.py", "present = [True] * len(self.params) if everywhere else (mine[per_rank:] > 0).tolist()"),
+    # a plain tensor mixed with DTensors inside backward: allowed only if it is all zeros (error path)
+    ("dispatch/dispatcher.py", "return t.is_meta or t.numel() == 0 or not bool(t.any())"),
+    # SequenceParallel's check that plain inputs differ across ranks: the first call only
+    ("parallel/style.py", "if not bool(rows[0, 2]) and bool((rows == rows[0]).all()):"),
+    ("parallel/style.py", "constant = flat.numel() == 0 or bool((flat == flat[0]).all())"),
+    # a per-position scalar tensor of a _foreach op becomes the per-tensor op's number
+    ("dispatch/ops/foreach.py", "return value.item()"),
+}
+
+
+def _is_host_read(node: ast.AST) -> bool:
+    """``x.item()`` / ``.tolist()`` / ``.cpu()`` / ``.numpy()``, or ``bool(<x>.any())`` / ``bool(<x>.all())``."""
+    if not isinstance(node, ast.Call):
+        return False
+    if isinstance(node.func, ast.Attribute) and node.func.attr in _HOST_READS and not node.args:
+        return True
+    if isinstance(node.func, ast.Name) and node.func.id == "bool" and len(node.args) == 1:
+        inner = node.args[0]
+        return isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in ("any", "all")
+    return False
+
+
+def _host_reads() -> set[tuple[str, str]]:
+    """(file, source line) of every host read in the hot-path modules (code only, not text)."""
+    found = set()
+    for entry in _HOT:
+        path = SRC / entry
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            source = file.read_text()
+            lines = source.splitlines()
+            for node in ast.walk(ast.parse(source)):
+                if _is_host_read(node):
+                    found.add((str(file.relative_to(SRC)), lines[node.lineno - 1].strip()))
+    return found
+
+
+def test_no_host_reads_on_the_hot_path():
+    found = _host_reads()
+    assert found <= _ALLOWED, sorted(found - _ALLOWED)
+    assert found == _ALLOWED, f"allowed but gone (remove from _ALLOWED): {sorted(_ALLOWED - found)}"
