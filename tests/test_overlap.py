@@ -166,12 +166,21 @@ def _prefetch_run(mode: str):
 
 
 def _prefetch_modes():
-    return {mode: _prefetch_run(mode) for mode in ("default", "off", "explicit")}
+    runs = {mode: _prefetch_run(mode) for mode in ("default", "off", "explicit")}
+    model = fully_shard(_Block(4, 4), mesh=sw.init_device_mesh("cpu", (4,)))
+    try:  # bad input: a module that is not fully_shard'ed is named, before any collective
+        model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+        runs["bad_input"] = None
+    except TypeError as err:
+        runs["bad_input"] = str(err)
+    return runs
 
 
 def test_fully_shard_prefetch_order(dist):
     runs = dist.run(4, _prefetch_modes)
     for per_rank in runs:
+        bad = per_rank.pop("bad_input")
+        assert bad is not None and "Linear is not a fully_shard'ed module" in bad, bad
         for mode, r in per_rank.items():
             assert r["out_ok"] and r["grads_ok"], mode
             assert r["host_reads"] == [], (mode, r["host_reads"])
