@@ -4,6 +4,9 @@ unshard: pack this rank's shards into a flat buffer, all_gather it over the shar
 each parameter's slots into its unsharded storage. reduce_grads: pack the whole-block
 gradients rank-major, reduce_scatter (average) over the shard axis, on HSDP all_reduce
 (average) the result over the replicate axis, add each shard into ``param.grad``.
+
+Both can be split in two, so that compute runs while the collective is in flight:
+``start_unshard`` (prefetch) / ``unshard``, and ``start_reduce`` / ``finish_reduce``.
 """
 
 from __future__ import annotations

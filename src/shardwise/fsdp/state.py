@@ -2,13 +2,19 @@
 
 Timeline of one group (a fully_shard'ed module) in a training step::
 
-    pre-forward   all_gather (unshard), register gathered params on the module
+    pre-forward   all_gather (unshard; waits for it if a prefetch started it), register
+                  gathered params on the module, start the next module's all_gather (prefetch)
     post-forward  register sharded params again; free the gathered storage
                   (reshard_after_forward); hook the outputs for backward
     pre-backward  (first gradient of an output) all_gather again into the same storage,
-                  register gathered params (activation checkpointing recomputes forward)
-    post-backward (every gradient accumulated) reduce_scatter into param.grad, register
-                  sharded params, free storage
+                  register gathered params (activation checkpointing recomputes forward),
+                  start the all_gather of the module whose backward comes next
+    post-backward (every gradient accumulated) issue the reduce_scatter, register sharded
+                  params, free storage; the reduction lands in param.grad when the next group
+                  issues its own (one in flight) or at the end of backward
+
+Prefetch targets are explicit (``set_modules_to_forward/backward_prefetch``) or learned: the
+root records the order modules enter and leave forward, and the next step prefetches by it.
 
 The outermost fully_shard'ed module that runs forward becomes the root: the first hook of a
 backward pass queues the root's end-of-backward callback, which reduces any group whose
