@@ -32,6 +32,19 @@ def dist():
     harness.shutdown_all()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip cleanly where no GPU is visible (torch is imported only then)."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine)")
+        for item in marked:
+            item.add_marker(skip)
+
+
 def pytest_sessionfinish(session, exitstatus):
     # Also covers pools started through harness.run_distributed() without the fixture.
     harness.shutdown_all()

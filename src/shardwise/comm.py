@@ -49,6 +49,7 @@ __all__ = [
     "all_gather_object", "barrier", "CommRecorder", "add_recorder", "remove_recorder",
     "set_collective_timeout", "collective_timeout", "TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost", "ring_shift", "recent_calls",
+    "Pending", "all_gather_async", "reduce_scatter_async", "all_reduce_async", "run_ahead",
 ]
 
 
@@ -242,8 +243,8 @@ def traced(t: torch.Tensor) -> bool:
     """Whether ``t`` is a block seen while tracing (fake or functional), not real data.
 
     Any tensor that is not a plain ``torch.Tensor`` takes the functional path; that path is
-    also right in eager, only slower."""
-    return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+    also right in eager, only slower; inside ``run_ahead()`` eager blocks take it too."""
+    return (type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)) or _RUN_AHEAD[0] > 0
 
 
 def _issue_traced(kind: str, mesh: DeviceMesh, axis: int, nbytes: int, collective: Callable, *args, **kwargs):
@@ -545,6 +546,97 @@ def ring_shift(tensors: Sequence[torch.Tensor], mesh: DeviceMesh, axis: int,
         return recvs
 
     return wait
+
+
+# ---------------------------------------------------------------------- running ahead
+class Pending:
+    """A collective issued without waiting: ``wait()`` blocks until it is done and returns its
+    result. Compute issued before ``wait()`` overlaps the transfer (gloo runs it on its own
+    threads, NCCL on its stream). A failure surfaces at ``wait()``, named like a blocking one's."""
+
+    __slots__ = ("_work", "_result", "_finish", "_call")
+
+    def __init__(self, work, result: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor], call: tuple) -> None:
+        self._work, self._result, self._finish, self._call = work, result, finish, call
+
+    @property
+    def done(self) -> bool:
+        return self._work is None
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            work, self._work = self._work, None
+            try:
+                work.wait()
+            except RuntimeError as err:
+                failure = _failure(err, *self._call)
+                if failure is None:
+                    raise
+                raise failure from err
+            self._result = self._finish(self._result)
+        return self._result
+
+
+def _issue_async(kind: str, mesh: DeviceMesh, axis: int, nbytes: int, collective: Callable, result: torch.Tensor,
+                 *args, finish: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, **kwargs) -> Pending:
+    work = _issue(kind, mesh, axis, nbytes, collective, *args, async_op=True, **kwargs)
+    group = mesh.get_group(axis)
+    return Pending(work, result, finish, (kind, _SEQ[group], group, mesh, axis, nbytes))
+
+
+def all_gather_async(shard: torch.Tensor, mesh: DeviceMesh, axis: int) -> Pending:
+    """Start concatenating every rank's equal-sized ``shard`` along dim 0; ``wait()`` gives the result."""
+    n = mesh.size(axis)
+    rows = shard.contiguous()
+    out = rows.new_empty((rows.shape[0] * n, *rows.shape[1:]))
+    if out.numel() == 0:
+        return Pending(None, out, lambda t: t, ())
+    return _issue_async("all_gather", mesh, axis, (n - 1) * _nbytes(rows), _all_gather_single, out, out, rows)
+
+
+def reduce_scatter_async(full: torch.Tensor, mesh: DeviceMesh, axis: int, op: str) -> Pending:
+    """Start reducing ``full`` (dim 0 a multiple of the axis size) and keeping this rank's
+    equal piece of dim 0; ``wait()`` gives the piece."""
+    n = mesh.size(axis)
+    rows = full.contiguous()
+    out = rows.new_empty((rows.shape[0] // n, *rows.shape[1:]))
+    if rows.numel() == 0:
+        return Pending(None, out, lambda t: t, ())
+    nbytes = (rows.shape[0] - out.shape[0]) * _rest(rows, 0) * rows.element_size()
+    return _issue_async("reduce_scatter", mesh, axis, nbytes, _reduce_scatter_single, out, out, rows,
+                        op=_REDUCE_OPS[op], finish=lambda t: _finish_avg(t, op, n))
+
+
+def all_reduce_async(tensor: torch.Tensor, mesh: DeviceMesh, axis: int, op: str) -> Pending:
+    """Start reducing ``tensor`` over the axis, in place (the caller hands over a buffer it no
+    longer reads); ``wait()`` gives the result."""
+    if not tensor.is_contiguous():
+        raise ValueError("all_reduce_async reduces in place: it needs a contiguous tensor")
+    n = mesh.size(axis)
+    out = tensor
+    if out.numel() == 0:
+        return Pending(None, out, lambda t: t, ())
+    own = -(-out.numel() // n)
+    nbytes = (out.numel() + (n - 2) * own) * out.element_size()
+    return _issue_async("all_reduce", mesh, axis, nbytes, dist.all_reduce, out, out, op=_REDUCE_OPS[op],
+                        finish=lambda t: _finish_avg(t, op, n))
+
+
+_RUN_AHEAD = [0]
+
+
+class run_ahead:
+    """Within this context, collectives return at once with a tensor that waits for its data at
+    first use (the functional collectives' ``AsyncCollectiveTensor``), so a consumer issued
+    later overlaps the transfer. What a collective's result needs locally before it is handed
+    back (an average's division, moving a gathered dim back into place) waits there."""
+
+    def __enter__(self) -> "run_ahead":
+        _RUN_AHEAD[0] += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _RUN_AHEAD[0] -= 1
 
 
 if os.environ.get("SHARDWISE_CHECK_COLLECTIVES"):  # read once, at import: see shardwise.debug.check

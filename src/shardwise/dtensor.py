@@ -187,6 +187,9 @@ class DTensor(torch.Tensor):
         ``backward_dtype`` is the dtype the gradient is communicated in (default: this
         tensor's dtype); the gradient reaching this tensor always has this tensor's dtype.
         A meta DTensor is redistributed without communication (only the block shape changes).
+        ``async_op=True`` returns before the collectives finish: the result's block waits for
+        its data when first used (as torch's ``AsyncCollectiveTensor``), so work issued in
+        between overlaps the transfer; values and gradients are those of the blocking call.
 
         Example:
             >>> flat = mesh["dp", "tp"].flatten("world")          # the same 4 ranks, one axis
@@ -195,6 +198,11 @@ class DTensor(torch.Tensor):
         if placements is None:
             raise ValueError("redistribute needs target placements")
         placements = as_placements(placements, "redistribute: placements")
+        if async_op:  # collectives return at once; the block waits for its data at first use
+            from shardwise.comm import run_ahead
+
+            with run_ahead():
+                return _redistribute(self, pack(device_mesh), pack(placements), pack(forward_dtype), pack(backward_dtype))
         return _redistribute(self, pack(device_mesh), pack(placements), pack(forward_dtype), pack(backward_dtype))
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:

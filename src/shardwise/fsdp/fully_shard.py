@@ -35,6 +35,18 @@ class FSDPModule:
         """Free this module's gathered parameters."""
         state_of(self).group.reshard()
 
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Start the all_gather of ``modules`` as soon as this module's parameters are gathered
+        in forward, so it runs while this module computes. Default: the module that ran next
+        in the previous forward (none in the first); ``[]`` turns prefetching off here."""
+        state_of(self).forward_prefetch = _states(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Start the all_gather of ``modules`` as soon as this module's backward begins.
+        Default: the module whose backward comes next (the reverse of the previous forward);
+        ``[]`` turns prefetching off here."""
+        state_of(self).backward_prefetch = _states(modules, "set_modules_to_backward_prefetch")
+
     def _apply(self, fn, recurse: bool = True):
         """``to_empty`` / ``.to`` / ``.cuda``: move the shards, then rebuild the gathered storage on their device.
 
@@ -45,6 +57,17 @@ class FSDPModule:
         module = super()._apply(fn, recurse)
         state_of(self).follow_parameters()
         return module
+
+
+def _states(modules: list, where: str) -> list[FSDPState]:
+    """The fully_shard states of ``modules``; a module that is not fully_shard'ed is named."""
+    states = []
+    for module in modules:
+        state = state_of(module) if isinstance(module, nn.Module) else None
+        if state is None:
+            raise TypeError(f"{where}: {type(module).__name__} is not a fully_shard'ed module")
+        states.append(state)
+    return states
 
 
 _FSDP_CLASSES: dict[type, type] = {}

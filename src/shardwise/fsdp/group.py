@@ -4,6 +4,9 @@ unshard: pack this rank's shards into a flat buffer, all_gather it over the shar
 each parameter's slots into its unsharded storage. reduce_grads: pack the whole-block
 gradients rank-major, reduce_scatter (average) over the shard axis, on HSDP all_reduce
 (average) the result over the replicate axis, add each shard into ``param.grad``.
+
+Both can be split in two, so that compute runs while the collective is in flight:
+``start_unshard`` (prefetch) / ``unshard``, and ``start_reduce`` / ``finish_reduce``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class ParamGroup:
         self.reduce_dtype = reduce_dtype
         self.layout = FlatLayout.build([p.block_shape for p in params], dp.world)
         self.is_unsharded = False
+        self._gather: tuple | None = None  # (Pending all_gather, send buffer, staged bytes)
+        self._reduction: tuple | None = None  # (Pending reduce_scatter, every gradient present here)
 
     @property
     def num_requires_grad(self) -> int:
@@ -42,27 +47,48 @@ class ParamGroup:
 
     # ------------------------------------------------------------------ parameters
     def unshard(self) -> None:
-        """Gather every parameter of the group (one all_gather); no-op if already gathered."""
+        """Gather every parameter of the group (one all_gather); no-op if already gathered.
+
+        Finishes a gather ``start_unshard`` issued earlier (a prefetch), else issues one."""
         if self.is_unsharded:
             return
-        for p in self.params:
-            p.allocate()
         if self.params:
-            self._gather_into([p.padded_writer() for p in self.params])
+            self.start_unshard()
+            pending, send, staged = self._gather
+            self._gather = None
+            with torch.no_grad():
+                gathered = pending.wait()  # [n * per_rank]
+                for p in self.params:
+                    p.allocate()
+                self.layout.unpack_gathered(gathered, [p.padded_writer() for p in self.params])
+            del send, gathered
+            memory.note_free("staging", staged)
         self.is_unsharded = True
 
-    def _gather_into(self, outs: list[torch.Tensor]) -> None:
-        n, per_rank = self.dp.world, self.layout.per_rank
+    def start_unshard(self) -> None:
+        """Issue the group's all_gather and return at once (prefetch): the gathered parameters'
+        storage is allocated only when ``unshard`` receives the data, so in the meantime the
+        in-flight block costs its staging buffers alone."""
+        if self.is_unsharded or self._gather is not None or not self.params:
+            return
+        n = self.dp.world
         with torch.no_grad():
             send = self.layout.pack_shards([p.local_shard() for p in self.params], self.compute_dtype)  # [per_rank]
             staged = send.numel() * send.element_size() * (1 + n)
             memory.note_alloc("staging", staged)
-            gathered = comm.all_gather(send, self.dp.mesh, self.dp.shard_axis, 0, [per_rank] * n)  # [n * per_rank]
-            self.layout.unpack_gathered(gathered, outs)
-            memory.note_free("staging", staged)
+            self._gather = (comm.all_gather_async(send, self.dp.mesh, self.dp.shard_axis), send, staged)
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._gather is not None
 
     def reshard(self) -> None:
-        """Free every gathered parameter's storage."""
+        """Free every gathered parameter's storage (a prefetch never used is received and dropped)."""
+        if self._gather is not None:
+            pending, _, staged = self._gather
+            self._gather = None
+            pending.wait()
+            memory.note_free("staging", staged)
         for p in self.params:
             p.free()
         self.is_unsharded = False
@@ -78,21 +104,44 @@ class ParamGroup:
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self) -> None:
         """Average the unsharded gradients over all data-parallel ranks into the sharded ``.grad``."""
+        self.start_reduce()
+        self.finish_reduce()
+
+    def start_reduce(self) -> None:
+        """Pack the unsharded gradients, issue their reduce_scatter without waiting, drop them.
+
+        ``finish_reduce`` adds the result into ``param.grad``; compute issued in between (the
+        backward of earlier blocks) overlaps the transfer."""
         if not self.params:
             return
-        n, per_rank = self.dp.world, self.layout.per_rank
-        width = per_rank + len(self.params)  # each rank's shards, then one presence flag per parameter
+        self.finish_reduce()
+        n = self.dp.world
         with torch.no_grad():
             grads = [p.unsharded_grad() for p in self.params]
-            full = self.layout.pack_grads(grads, self.reduce_dtype, presence=True)  # [n * width]
-            mine = comm.reduce_scatter(full, self.dp.mesh, self.dp.shard_axis, 0, "avg", [width] * n)  # [width]
-            del full
+            # each rank's shards, then one presence flag per parameter: [n * (per_rank + len(params))]
+            full = self.layout.pack_grads(grads, self.reduce_dtype, presence=True)
+            everywhere = all(g is not None for p, g in zip(self.params, grads) if p.requires_grad)
+            del grads
+            for p in self.params:
+                p.clear_unsharded_grad()
+            self._reduction = (comm.reduce_scatter_async(full, self.dp.mesh, self.dp.shard_axis, "avg"), everywhere)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce_scatter ``start_reduce`` issued (if any) and accumulate the shards."""
+        if self._reduction is None:
+            return
+        pending, everywhere = self._reduction
+        self._reduction = None
+        per_rank = self.layout.per_rank
+        with torch.no_grad():
+            mine = pending.wait()  # [per_rank + len(params)]
             if self.dp.replicate_axis is not None:
                 mine = comm.all_reduce(mine, self.dp.mesh, self.dp.replicate_axis, "avg")
             # A parameter no rank produced a gradient for keeps grad None, as on one device (an
             # optimizer then skips it); one that some rank used gets the average, zeros included.
-            present = (mine[per_rank:] > 0).tolist()
+            # When this rank had every gradient, all were used: no need to read the flags (reading
+            # them copies to the host and waits for the device, so only the rare case does).
+            present = [True] * len(self.params) if everywhere else (mine[per_rank:] > 0).tolist()
             for p, shard, used in zip(self.params, self.layout.unpack_shards(mine[:per_rank], self.dp.rank), present):
                 if p.requires_grad and used:
                     p.accumulate_sharded_grad(shard)
-                p.clear_unsharded_grad()

@@ -104,6 +104,7 @@ class ReplicateState:
         self._next = 0  # first bucket not yet reduced in this backward
         self._pending = False
         self._callback_queued = False
+        self._inflight: list[tuple] = []  # (Pending all_reduce, bucket index, sizes) not yet waited
 
     def install(self) -> None:
         self.module.register_forward_pre_hook(self._pre_forward, prepend=True)
@@ -156,15 +157,26 @@ class ReplicateState:
             self._reduce_next()
 
     def _reduce_next(self) -> None:
-        """All-reduce (average) the next bucket's gradients as one flat buffer."""
+        """Start the all_reduce (average) of the next bucket's gradients as one flat buffer; the
+        backward of the layers before it runs meanwhile (``_finish`` waits at the end)."""
         bucket = [self.params[i] for i in self.buckets[self._next]]
         grads = [p.local.grad if p.local.grad is not None else torch.zeros_like(p.local) for p in bucket]
         with torch.no_grad():
             flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numels]
-            flat = comm.all_reduce(flat, self.mesh, 0, "avg")
-            for p, g in zip(bucket, flat.split([g.numel() for g in grads])):
-                p.accumulate_grad(g.view_as(p.local))
+            for p in bucket:
+                p.local.grad = None
+            self._inflight.append((comm.all_reduce_async(flat, self.mesh, 0, "avg"), self._next,
+                                   [g.numel() for g in grads]))
         self._next += 1
+
+    def _finish(self) -> None:
+        """Wait for the buckets' all_reduces, in issue order, and add them into ``.grad``."""
+        with torch.no_grad():
+            for pending, index, sizes in self._inflight:
+                bucket = [self.params[i] for i in self.buckets[index]]
+                for p, g in zip(bucket, pending.wait().split(sizes)):
+                    p.accumulate_grad(g.view_as(p.local))
+        self._inflight = []
 
     def _end_of_backward(self) -> None:
         """Reduce buckets whose gradients did not all arrive (unused parameters count as zero)."""
@@ -172,6 +184,7 @@ class ReplicateState:
         if self._pending:
             while self._next < len(self.buckets):
                 self._reduce_next()
+        self._finish()
         self._arrived = [0] * len(self.buckets)
         self._next = 0
         self._pending = False

@@ -2,13 +2,19 @@
 
 Timeline of one group (a fully_shard'ed module) in a training step::
 
-    pre-forward   all_gather (unshard), register gathered params on the module
+    pre-forward   all_gather (unshard; waits for it if a prefetch started it), register
+                  gathered params on the module, start the next module's all_gather (prefetch)
     post-forward  register sharded params again; free the gathered storage
                   (reshard_after_forward); hook the outputs for backward
     pre-backward  (first gradient of an output) all_gather again into the same storage,
-                  register gathered params (activation checkpointing recomputes forward)
-    post-backward (every gradient accumulated) reduce_scatter into param.grad, register
-                  sharded params, free storage
+                  register gathered params (activation checkpointing recomputes forward),
+                  start the all_gather of the module whose backward comes next
+    post-backward (every gradient accumulated) issue the reduce_scatter, register sharded
+                  params, free storage; the reduction lands in param.grad when the next group
+                  issues its own (one in flight) or at the end of backward
+
+Prefetch targets are explicit (``set_modules_to_forward/backward_prefetch``) or learned: the
+root records the order modules enter and leave forward, and the next step prefetches by it.
 
 The outermost fully_shard'ed module that runs forward becomes the root: the first hook of a
 backward pass queues the root's end-of-backward callback, which reduces any group whose
@@ -57,6 +63,17 @@ class FSDPState:
         self._pending_reduce = False
         self._grads_ready = 0
         self._handles: list[Any] = []
+        # Prefetch targets set by set_modules_to_forward/backward_prefetch; None: the default
+        # (the next module in the order the root's last forward ran them, reversed in backward).
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        # Root only: the order the last forward entered / left the modules (the running
+        # forward's so far in the ``_now`` lists); backward runs the second one reversed.
+        self._order: list[FSDPState] = []
+        self._post_order: list[FSDPState] = []
+        self._order_now: list[FSDPState] = []
+        self._post_order_now: list[FSDPState] = []
+        self._reducing: FSDPState | None = None  # root only: the group whose reduce_scatter is in flight
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -118,7 +135,13 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._check_materialized()
         self._lazy_init()
+        in_backward = torch._C._current_graph_task_id() != -1  # activation checkpointing recomputes
+        if not in_backward:
+            self._note_forward()
         self.group.unshard()
+        if not in_backward:
+            for target in self._prefetch_targets(forward=True):
+                target.group.start_unshard()
         self.group.use_unsharded()
         if self.policy.param_dtype is not None and self.policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
@@ -126,6 +149,13 @@ class FSDPState:
 
     @eager_only
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if torch._C._current_graph_task_id() == -1:
+            self._root()._post_order_now.append(self)
+        if self.root is self and torch._C._current_graph_task_id() == -1:
+            self._order, self._post_order = self._order_now, self._post_order_now
+            for state in self.subtree:  # a prefetch that no module consumed this time
+                if state.group.gather_in_flight:
+                    state.group.reshard()
         self.group.use_sharded()
         backward_follows = torch.is_grad_enabled() and self.group.num_requires_grad > 0
         if backward_follows:
@@ -142,6 +172,9 @@ class FSDPState:
         # Registered too: activation checkpointing re-runs forward code during backward.
         self._root()._queue_callback()
         self.group.unshard()
+        for target in self._prefetch_targets(forward=False):
+            if target._pending_reduce:  # its backward is still to come
+                target.group.start_unshard()
         self.group.use_unsharded()
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
@@ -151,7 +184,14 @@ class FSDPState:
             self._reduce()
 
     def _reduce(self) -> None:
-        self.group.reduce_grads()
+        """Issue this group's gradient reduce_scatter and free its gathered parameters; the
+        reduction lands in ``.grad`` when the next group issues its own or at the end of
+        backward (one in flight at a time: its buffer is one block's gradients)."""
+        root = self._root()
+        if root._reducing is not None:
+            root._reducing.group.finish_reduce()
+        self.group.start_reduce()
+        root._reducing = self
         self.group.use_sharded()
         self.group.reshard()
         self._grads_ready = 0
@@ -174,6 +214,31 @@ class FSDPState:
             state.group.use_sharded()
             state.group.reshard()
             state._grads_ready = 0
+        if self._reducing is not None:
+            self._reducing.group.finish_reduce()
+            self._reducing = None
+
+    # ------------------------------------------------------------------ prefetch
+    def _note_forward(self) -> None:
+        """Record this module's place in the running forward (the root starts a new order)."""
+        root = self._root()
+        if root is self:
+            self._order_now, self._post_order_now = [], []
+        root._order_now.append(self)
+
+    def _prefetch_targets(self, forward: bool) -> list["FSDPState"]:
+        """The groups to start gathering once this one is gathered: the explicit list, else the
+        module entered after this one in the last forward (in backward: the module that left
+        forward before this one, whose backward comes next)."""
+        explicit = self.forward_prefetch if forward else self.backward_prefetch
+        if explicit is not None:
+            return explicit
+        root = self._root()
+        order = root._order if forward else root._post_order
+        if self not in order:
+            return []
+        i = order.index(self) + (1 if forward else -1)
+        return [order[i]] if 0 <= i < len(order) else []
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

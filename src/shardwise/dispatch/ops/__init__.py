@@ -2,7 +2,7 @@
 
 from shardwise.dispatch.ops import pointwise, reduction, foreach  # noqa: F401
 from shardwise.dispatch.ops import matmul, embedding, conv  # noqa: F401
-from shardwise.dispatch.ops import norm, loss, attention, vocab_parallel  # noqa: F401
+from shardwise.dispatch.ops import norm, loss, attention, attention_cuda, vocab_parallel  # noqa: F401
 from shardwise.dispatch.ops import view, tensor  # noqa: F401
 from shardwise.dispatch.ops import random  # noqa: F401
 from shardwise.dispatch.ops import complex  # noqa: F401

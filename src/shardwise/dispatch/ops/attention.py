@@ -41,7 +41,12 @@ from shardwise.dispatch.strategy import Candidate, OpSchema, expand
 from shardwise.placement import Partial, Placement, Shard
 from shardwise.spec import DTensorSpec, TensorMeta
 
-__all__ = ["flash_forward", "flash_backward"]
+__all__ = ["flash_forward", "flash_backward", "attention_handler"]
+
+# Arguments laid out like the query rows; key/value and the mask have their own roles; every
+# other tensor argument (the CUDA kernels' random-state scalars, sequence offsets) is replicated.
+_ROW_ARGUMENTS = frozenset({"query", "grad_out", "grad_out_", "out", "logsumexp"})
+_MASK_ARGUMENTS = frozenset({"attn_mask", "attn_bias"})
 
 
 def _layout(names: list[str], specs: tuple[DTensorSpec, ...], scores: tuple[int, ...], kv: Placement,
@@ -50,12 +55,14 @@ def _layout(names: list[str], specs: tuple[DTensorSpec, ...], scores: tuple[int,
     the mask broadcast like the scores sharded on ``dim`` (None: replicated)."""
     out = []
     for name, spec in zip(names, specs):
-        if name == "attn_mask":
+        if name in _MASK_ARGUMENTS:
             out.append(R if dim is None else broadcast_dim(spec, scores, dim))
         elif name in ("key", "value"):
             out.append(kv)
-        else:  # query, grad_out, out, logsumexp
+        elif name in _ROW_ARGUMENTS:
             out.append(rows)
+        else:
+            out.append(R)
     return tuple(out)
 
 
@@ -136,6 +143,8 @@ def _schema_of(op: Any, args: tuple, kwargs: dict) -> tuple[OpSchema, list[Any]]
             return value._spec
         if isinstance(value, torch.Tensor):
             raise ValueError(f"{op}: a plain tensor mixed with DTensors; make it a DTensor")
+        if isinstance(value, list):  # a flag list (grad_input_mask): hashable, for the plan cache
+            return tuple(value)
         return value
 
     args_ = tuple(spec(a) for a in args)
@@ -146,7 +155,7 @@ def _schema_of(op: Any, args: tuple, kwargs: dict) -> tuple[OpSchema, list[Any]]
 def _output_specs(schema: OpSchema, plan: Candidate, like: tuple[str, ...]) -> list[DTensorSpec]:
     """Output specs from the op's meta outputs; ``like`` names inputs whose strides they take."""
     metas = schema.op(*map(meta_of, schema.args), **{k: meta_of(v) for k, v in schema.kwargs})
-    specs = [make_spec(schema.mesh, p, m) for p, m in zip(plan.outputs, metas)]
+    specs = [make_spec(schema.mesh, p, m) if isinstance(m, torch.Tensor) else m for p, m in zip(plan.outputs, metas)]
     names = spec_arguments(schema)
     for i, name in enumerate(like):
         source = schema.specs[names.index(name)].tensor_meta
@@ -156,7 +165,11 @@ def _output_specs(schema: OpSchema, plan: Candidate, like: tuple[str, ...]) -> l
     return specs
 
 
-def _handler(make: Callable[[OpSchema], list[Candidate]], like: tuple[str, ...] = ()) -> Callable:
+def attention_handler(make: Callable[[OpSchema], list[Candidate]], like: tuple[str, ...] = ()) -> Callable:
+    """A custom handler running an attention kernel on the local blocks of the cheapest
+    candidate of ``make``. Outputs that are not tensors (None, the CUDA kernels' sequence
+    lengths) are passed through from the local kernel; tensor outputs become DTensors."""
+
     def handler(op: Any, args: tuple, kwargs: dict) -> tuple:
         from shardwise.dtensor import DTensor
 
@@ -170,17 +183,19 @@ def _handler(make: Callable[[OpSchema], list[Candidate]], like: tuple[str, ...] 
             specs = _PLANS[key] = _output_specs(schema, plan, like)
         blocks = localize(dtensors, plan)
         if any(b.numel() == 0 for b in blocks):  # the kernel cannot take empty heads
-            outs = [torch.zeros(s.local_shape(), dtype=s.dtype, device=blocks[0].device) for s in specs]
+            outs = [torch.zeros(s.local_shape(), dtype=s.dtype, device=blocks[0].device)
+                    if isinstance(s, DTensorSpec) else s for s in specs]
         else:
             it = iter(blocks)
             local_args = [next(it) if isinstance(a, DTensor) else a for a in args]
             local_kwargs = {k: next(it) if isinstance(v, DTensor) else v for k, v in kwargs.items()}
             outs = op(*local_args, **local_kwargs)
-        return tuple(DTensor(o, s, requires_grad=False) for o, s in zip(outs, specs))
+        return tuple(DTensor(o, s, requires_grad=False) if isinstance(s, DTensorSpec) and o is not None else o
+                     for o, s in zip(outs, specs))
 
     return handler
 
 
-register_custom_handler(aten._scaled_dot_product_flash_attention_for_cpu.default)(_handler(flash_forward))
+register_custom_handler(aten._scaled_dot_product_flash_attention_for_cpu.default)(attention_handler(flash_forward))
 register_custom_handler(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(
-    _handler(flash_backward, like=("query", "key", "value")))
+    attention_handler(flash_backward, like=("query", "key", "value")))
