@@ -54,12 +54,11 @@ def test_pipeline_layout_trains_to_the_one_process_losses(dist, reference, refer
 def _train_and_list(argv: list[str]) -> tuple[list[float], list[str]]:
     """Train on every rank; the losses, and the tensor keys of the latest checkpoint (rank 0 reads them)."""
     from shardwise.checkpoint.source import open_source
-    from shardwise.train import cli
     from shardwise.train.checkpointing import latest_checkpoint
 
     losses = _losses(argv)
-    job = cli.job_from_argv(argv)
-    keys = sorted(open_source(latest_checkpoint(job.checkpoint_dir).path).metadata.tensors)
+    directory = argv[argv.index("--checkpoint-dir") + 1]
+    keys = sorted(open_source(latest_checkpoint(directory).path).metadata.tensors)
     return losses, keys
 
 
@@ -143,3 +142,24 @@ def test_pipeline_layout_is_named():
     assert job.layout() == "dp_shard=2 tp=2 pp=2 +interleaved_1f1b"
     assert job.describe_layout() == ("FSDP dp_shard=2 + TP tp=2 + PP pp=2 (interleaved_1f1b, 2 microbatches) "
                                      "(dp_shard inferred: --nproc 8 / (--dp-replicate 1 x --tp 2 x --pp 2))")
+
+
+def test_meta_fills_advance_the_stream_as_real_fills_do():
+    """A stage's modules get their one-device values while the other stages' stay on meta."""
+    import torch
+    from torch import nn
+
+    from shardwise import random as sw_random
+
+    def fills(device: str) -> torch.Tensor:
+        sw_random.manual_seed(3)
+        with sw_random.layout_independent():
+            nn.init.trunc_normal_(torch.empty(5, 3, device=device), std=0.02)
+            nn.init.normal_(torch.empty(7, device=device))
+            nn.init.uniform_(torch.empty(2, 2, dtype=torch.float64, device=device))
+            return nn.init.normal_(torch.empty(4))  # the next module's values
+
+    want = fills("cpu")
+    with sw_random.meta_fills_advance():
+        assert torch.equal(fills("meta"), want)
+    assert not torch.equal(fills("meta"), want)  # outside, meta fills consume nothing
