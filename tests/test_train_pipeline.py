@@ -125,7 +125,7 @@ BAD_JOBS = [
     (["--nproc", "4", "--pp", "2", "--dp-shard", "4"], r"--dp-replicate 1 x --dp-shard 4 x --tp 1 x --pp 2 = 8 must"),
     (["--nproc", "4", "--pp", "0"], r"must be at least 1: --pp 0"),
     (["--nproc", "4", "--pp-microbatches", "2"], r"--pp-microbatches applies to pipeline parallelism: use --pp > 1"),
-    (["--nproc", "4", "--pp", "2", "--compile"], r"--compile with --pp is not supported yet"),
+    (["--nproc", "4", "--pp-schedule", "gpipe"], r"--pp-schedule applies to pipeline parallelism: use --pp > 1"),
 ]
 
 

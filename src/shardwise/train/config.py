@@ -387,9 +387,6 @@ class JobConfig:
                                      self.global_batch // dims.dp_degree)
         if problems:
             raise ConfigError(problems[0].replace("the model's", f"config {self.config!r}'s", 1))
-        if self.compile:
-            raise ConfigError("--compile with --pp is not supported yet (compiled blocks inside pipeline stages are "
-                              "untested); drop --compile or --pp")
 
     def _check_checkpointing(self) -> None:
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
