@@ -163,3 +163,28 @@ def test_meta_fills_advance_the_stream_as_real_fills_do():
     with sw_random.meta_fills_advance():
         assert torch.equal(fills("meta"), want)
     assert not torch.equal(fills("meta"), want)  # outside, meta fills consume nothing
+
+
+def test_stages_run_in_sequence_equal_the_whole_model_and_keep_its_keys():
+    """split_stage: the model's own code, modules removed; chained stages give the whole model's logits."""
+    import torch
+
+    from shardwise.parallel.pipeline import split_stage
+    from shardwise.train.config import CONFIGS
+    from shardwise.train.model import Transformer
+
+    torch.manual_seed(0)
+    whole = Transformer(CONFIGS["tiny4"])
+    tokens = torch.randint(0, 256, (2, 16))
+    stages = [split_stage(whole, stage_module_paths(4, 4, i)) for i in range(4)]
+    h = tokens
+    for stage in stages:
+        h = stage(h)
+    torch.testing.assert_close(h, whole(tokens), rtol=0, atol=0)
+    assert sorted(stages[1].state_dict()) == sorted(k for k in whole.state_dict() if k.startswith("layers.1."))
+    assert stages[0].norm is None and stages[3].tok_embeddings is None and list(stages[2].layers) == ["2"]
+    assert len(whole.layers) == 4 and whole.output is not None  # the whole model is untouched
+    with pytest.raises(ValueError, match=r"split_stage: 'layers.9' is not an entry of a ModuleDict"):
+        split_stage(whole, ["layers.9"])
+    with pytest.raises(ValueError, match=r"split_stage: 'head' names no module of Transformer"):
+        split_stage(whole, ["head"])

@@ -58,11 +58,9 @@ def split_stage(model: nn.Module, keep: Sequence[str]) -> nn.Module:
         if top not in wanted or wanted[top] is not None:
             wanted.setdefault(top, set()).add(rest)
     stage = copy.copy(model)
-    for attr in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_forward_hooks",
-                 "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-                 "_load_state_dict_pre_hooks"):
-        if hasattr(model, attr):
-            object.__setattr__(stage, attr, copy.copy(getattr(model, attr)))
+    for attr, value in vars(model).items():  # own parameter, buffer and hook tables: hooks added later stay apart
+        if attr.startswith("_") and isinstance(value, (dict, set)):
+            object.__setattr__(stage, attr, copy.copy(value))
     modules = {}
     for name, child in model._modules.items():
         if name not in wanted:

@@ -6,6 +6,9 @@ started without a launcher). Steps:
 1. ``Runtime``: process group (gloo on CPU, nccl on CUDA) and the world mesh from the degrees.
 2. The model, built on the meta device, parallelized, then each rank initializes only its
    blocks from the job's seed (``build_llama``): the weights of the one-process run.
+   With ``--pp`` each rank builds only its pipeline stages (``build_pipeline``), and a
+   ``PipelineRunner`` (torch.distributed.pipelining's schedules) runs each step's microbatches
+   through them; the last stage's loss is shared with every pipeline rank.
 3. AdamW with linear warmup and cosine decay over ``--steps``; the data position is the step
    counter. With ``--resume``, the latest checkpoint's model, optimizer, schedule and step are
    loaded into this job's layout (``checkpointing.py``).
