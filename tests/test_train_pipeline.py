@@ -126,6 +126,8 @@ BAD_JOBS = [
     (["--nproc", "4", "--pp", "0"], r"must be at least 1: --pp 0"),
     (["--nproc", "4", "--pp-microbatches", "2"], r"--pp-microbatches applies to pipeline parallelism: use --pp > 1"),
     (["--nproc", "4", "--pp-schedule", "gpipe"], r"--pp-schedule applies to pipeline parallelism: use --pp > 1"),
+    (["--config", "tiny4", "--nproc", "4", "--pp", "2", "--tp", "2", "--pp-schedule", "interleaved_1f1b",
+      "--sequence-parallel"], r"--pp-schedule interleaved_1f1b with --sequence-parallel is not supported"),
 ]
 
 

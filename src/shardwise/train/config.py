@@ -387,6 +387,11 @@ class JobConfig:
                                      self.global_batch // dims.dp_degree)
         if problems:
             raise ConfigError(problems[0].replace("the model's", f"config {self.config!r}'s", 1))
+        if self.pp_schedule == "interleaved_1f1b" and self.sequence_parallel:
+            raise ConfigError("--pp-schedule interleaved_1f1b with --sequence-parallel is not supported: torch's "
+                              "multi-stage schedules first run each stage on placeholder inputs, identical on the tp "
+                              "ranks, which sequence parallelism refuses as sequence shards; use --pp-schedule 1f1b "
+                              "or gpipe")
 
     def _check_checkpointing(self) -> None:
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
