@@ -2,6 +2,7 @@
 
     python -m shardwise.train --config debug --steps 50                  # one process
     python -m shardwise.train --nproc 4 --tp 2 --dp-shard 2 --plot loss.png
+    python -m shardwise.train --nproc 8 --pp 2 --dp-shard 2 --tp 2 --pp-schedule 1f1b --pp-microbatches 4
     torchrun --nproc-per-node 8 -m shardwise.train --config llama3_8b --tp 8 --mixed-precision
     python -m shardwise.train --nproc 4 --dp-shard 4 --steps 200 --stop-after 100 --checkpoint-dir ckpt
     python -m shardwise.train --nproc 4 --tp 2 --dp-shard 2 --steps 200 --checkpoint-dir ckpt --resume
