@@ -15,6 +15,13 @@ the same ``parallelize_llama`` plans, once through shardwise's APIs and once thr
     tp         tp=4                         Megatron-style column/row pairs
     fsdp_tp    dp_shard=2 x tp=2            FSDP over the TP-sharded parameters
     tp_sp_lp   tp=4 + sequence parallel + loss parallel
+    pp_fsdp    pp=2 x dp_shard=2            pipeline (1F1B, 2 microbatches) of FSDP stages
+    pp_tp      pp=2 x tp=2                  pipeline (GPipe, 2 microbatches) of TP stages
+
+The pipeline modes split the model by module paths the same way for both libraries
+(``shardwise.parallel.pipeline.split_stage``) and run both through torch.distributed.pipelining
+(``PipelineStage`` and its schedules); only the stages' parallelization differs (shardwise's
+DTensor, FSDP and styles vs torch's).
 
 Reported per mode:
 
@@ -56,7 +63,10 @@ MODES = {
     "tp": ({"tp": 4, "dp_shard": 1}, {}),
     "fsdp_tp": ({"dp_shard": 2, "tp": 2}, {}),
     "tp_sp_lp": ({"tp": 4, "dp_shard": 1}, {"sequence_parallel": True, "loss_parallel": True}),
+    "pp_fsdp": ({"pp": 2, "dp_shard": 2}, {}),
+    "pp_tp": ({"pp": 2, "tp": 2, "dp_shard": 1}, {}),
 }
+PP_SCHEDULES = {"pp_fsdp": "1f1b", "pp_tp": "gpipe"}  # 2 microbatches (= pp) each
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -148,19 +158,30 @@ class Job:
     data: object
     losses: list = field(default_factory=list)
     times: list = field(default_factory=list)
+    runner: object = None  # pipeline modes: the PipelineRunner of this rank's stages
+    pp_mesh: object = None  # pipeline modes: shardwise's pp mesh (to share the last stage's loss)
 
     def step(self, i: int):
         from shardwise.train.trainer import loss_fn
 
         inputs, labels = self.data.batch_at(i)
         with self.loss_ctx():
-            loss = loss_fn(self.model(inputs), labels)
-            loss.backward()
+            if self.runner is not None:
+                loss = self.runner.step(inputs, labels)  # None except on the last stage's ranks
+            else:
+                loss = loss_fn(self.model(inputs), labels)
+                loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
 
     def record_loss(self, loss) -> None:
+        if self.pp_mesh is not None:  # untimed: every rank gets the last stage's loss
+            import torch
+
+            from shardwise.parallel.pipeline import share_loss
+
+            loss = share_loss(loss, self.pp_mesh, torch.device("cpu"))
         value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         self.losses.append(float(value))
 
@@ -180,10 +201,35 @@ def build_job(lib: str, mode: str, args, meshes: dict, data) -> Job:
     shardwise.random.manual_seed(0)  # restarts shardwise's stream too: every build has the same weights
     model = Transformer(get_model_args(args.config))
     options = ParallelOptions(**opt_kwargs)
-    parallelize_llama(model, dims, sw_mesh if lib == "shardwise" else t_mesh, options, api)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    mesh = sw_mesh if lib == "shardwise" else t_mesh
     ctx = api.loss_parallel if options.loss_parallel else contextlib.nullcontext
+    if dims.pp_enabled:
+        return _pipeline_job(lib, mode, model, dims, mesh, sw_mesh, options, api, ctx, data)
+    parallelize_llama(model, dims, mesh, options, api)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     return Job(lib, model, optimizer, ctx, data)
+
+
+def _pipeline_job(lib: str, mode: str, model, dims, mesh, sw_mesh, options, api, ctx, data) -> Job:
+    """This rank's stages of ``model`` (the same split for both libraries), parallelized by ``api``,
+    run by torch.distributed.pipelining's schedule."""
+    import torch
+
+    from shardwise.parallel.pipeline import PipelineRunner, split_stage
+    from shardwise.parallel.pipeline_split import num_stages, stage_module_paths, stages_of_rank
+    from shardwise.train.parallelize import parallelize_llama
+    from shardwise.train.trainer import loss_fn
+
+    schedule = PP_SCHEDULES[mode]
+    total = num_stages(dims.pp, schedule)
+    indices = stages_of_rank(mesh["pp"].get_local_rank(), dims.pp, schedule)
+    stages = [split_stage(model, stage_module_paths(model.args.n_layers, total, i)) for i in indices]
+    for stage in stages:
+        parallelize_llama(stage, dims, mesh, options, api)
+    params = [p for stage in stages for p in stage.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    runner = PipelineRunner(stages, indices, total, mesh["pp"], torch.device("cpu"), schedule, dims.pp, loss_fn)
+    return Job(lib, stages, optimizer, ctx, data, runner=runner, pp_mesh=sw_mesh["pp"])
 
 
 # ====================================================================== the worker

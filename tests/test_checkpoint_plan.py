@@ -224,3 +224,16 @@ def test_an_outside_reader_rebuilds_tensors_from_the_documented_format(tmp_path)
             assert zlib.crc32(data.reshape(-1).view(torch.uint8).numpy().tobytes()) == c["crc32"]
             whole[tuple(slice(o, o + s) for o, s in zip(c["offsets"], c["sizes"]))] = data
         assert torch.equal(whole, _state(5)["model"][key.removeprefix("model.")]), key
+
+
+def test_ranks_may_save_different_keys_but_agree_on_shared_ones():
+    """Pipeline stages hold different modules: each key is written by the ranks that hold it."""
+    from shardwise.checkpoint.plan import merged_declarations
+
+    a, b = {"x": ("F32", (2,)), "s": ("F32", ())}, {"y": ("F32", (3,)), "s": ("F32", ())}
+    assert merged_declarations([a, b]) == {"x": ("F32", (2,)), "s": ("F32", ()), "y": ("F32", (3,))}
+    px, py, ps = (Proposal(k, "F32", shape, full_block(shape)) for k, shape in (("x", (2,)), ("y", (3,)), ("s", ())))
+    assert assign_writers([a, b], [[px, ps], [py, ps]]) == [[px, ps], [py]]
+    with pytest.raises(ckpt.CheckpointError, match=r"ranks disagree on tensor 's': rank 0 has dtype F32 shape \[\], "
+                                                   r"rank 1 has dtype F32 shape \[1\]"):
+        merged_declarations([a, {"s": ("F32", (1,))}])

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RNGState",
+    "meta_fills_advance",
     "bernoulli",
     "draw",
     "get_rng_state",
@@ -509,6 +510,13 @@ class _PlainFills(TorchDispatchMode):
     does not advance for meta tensors either.
     """
 
+    @staticmethod
+    def active() -> bool:
+        """Whether a ``layout_independent`` block is open (its mode is on the dispatch stack)."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        return any(isinstance(mode, _PlainFills) for mode in _get_current_dispatch_mode_stack())
+
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         fill = _PLAIN_FILLS.get(func)
@@ -516,8 +524,41 @@ class _PlainFills(TorchDispatchMode):
         if fill is None or type(target) not in (torch.Tensor, torch.nn.Parameter):
             return func(*args, **kwargs)
         if target.is_meta:
+            if _META_FILLS_ADVANCE[0]:
+                kind = "uniform" if func is torch.ops.aten.uniform_.default else "normal"
+                _STATE.take(target.numel() * words_per_element(kind, target.dtype))
             return target
         return fill(target, *args[1:], **kwargs)
+
+
+_META_FILLS_ADVANCE = [False]
+
+
+@contextmanager
+def meta_fills_advance() -> Iterator[None]:
+    """Inside, ``layout_independent`` fills of plain meta tensors consume their counters (nothing drawn).
+
+    A pipeline stage initializes its own modules while the modules of the other stages stay on
+    the meta device: with their fills advancing the stream as real ones would, every stage's
+    parameters get the values of the whole model initialized on one device. ``uniform_`` and
+    ``normal_`` are counted where they are dispatched; ``nn.init.trunc_normal_`` returns early
+    for meta tensors (before any op), so inside it is wrapped to count its one ``uniform_``.
+    """
+    _META_FILLS_ADVANCE[0], before = True, _META_FILLS_ADVANCE[0]
+    original = torch.nn.init.trunc_normal_
+
+    def trunc_normal_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if tensor.is_meta and type(tensor) in (torch.Tensor, torch.nn.Parameter) and _PlainFills.active():
+            _STATE.take(tensor.numel() * words_per_element("uniform", tensor.dtype))
+            return tensor
+        return original(tensor, *args, **kwargs)
+
+    torch.nn.init.trunc_normal_ = trunc_normal_
+    try:
+        yield
+    finally:
+        torch.nn.init.trunc_normal_ = original
+        _META_FILLS_ADVANCE[0] = before
 
 
 def _fill_uniform_(t: torch.Tensor, low: float = 0.0, high: float = 1.0, *, generator: Any = None, **kw: Any) -> torch.Tensor:

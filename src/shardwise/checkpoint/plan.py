@@ -24,7 +24,7 @@ from shardwise.placement import Placement, Shard
 from shardwise.spec import local_shape_and_offset
 
 __all__ = [
-    "Block", "Proposal", "Read", "proposed_block", "assign_writers", "split_rows",
+    "Block", "Proposal", "Read", "proposed_block", "assign_writers", "merged_declarations", "split_rows",
     "read_plan", "full_block",
 ]
 
@@ -95,14 +95,16 @@ def assign_writers(
     """Per rank, the blocks it writes: each distinct block once, by the lowest rank offering it.
 
     Args:
-        declared: per rank, every tensor key it saves -> (dtype name, global shape).
+        declared: per rank, every tensor key it saves -> (dtype name, global shape). Ranks may
+            save different keys (pipeline stages hold different modules); a key saved by
+            several ranks must have the same dtype and shape on all of them.
         proposals: per rank, the blocks it offers.
 
     Raises:
-        CheckpointError: ranks disagree on the tensor keys, dtypes or shapes, or the blocks
-            offered overlap without being equal or leave part of a tensor unwritten.
+        CheckpointError: ranks disagree on a tensor's dtype or shape, or the blocks offered
+            overlap without being equal or leave part of a tensor unwritten.
     """
-    _check_declarations(declared)
+    merged = merged_declarations(declared)
     taken: dict[tuple[str, Block], int] = {}
     out: list[list[Proposal]] = [[] for _ in proposals]
     for rank, offered in enumerate(proposals):
@@ -110,20 +112,26 @@ def assign_writers(
             if (p.fqn, p.block) not in taken:
                 taken[(p.fqn, p.block)] = rank
                 out[rank].append(p)
-    _check_tiling(declared[0] if declared else {}, [p for per_rank in out for p in per_rank])
+    _check_tiling(merged, [p for per_rank in out for p in per_rank])
     return out
 
 
-def _check_declarations(declared: Sequence[dict[str, tuple[str, tuple[int, ...]]]]) -> None:
-    for rank, mine in enumerate(declared[1:], start=1):
-        if mine == declared[0]:
-            continue
-        for key in sorted(set(mine) | set(declared[0])):
-            if mine.get(key) != declared[0].get(key):
+def merged_declarations(
+    declared: Sequence[dict[str, tuple[str, tuple[int, ...]]]],
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every key any rank saves -> (dtype, shape), checking that the ranks saving a key agree on it."""
+    merged: dict[str, tuple[str, tuple[int, ...]]] = {}
+    first: dict[str, int] = {}
+    for rank, mine in enumerate(declared):
+        for key, entry in mine.items():
+            if key not in merged:
+                merged[key], first[key] = entry, rank
+            elif merged[key] != entry:
                 raise CheckpointError(
-                    f"ranks disagree on tensor {key!r}: rank 0 has {_describe(declared[0].get(key))}, "
-                    f"rank {rank} has {_describe(mine.get(key))}; every rank must save the same keys"
+                    f"ranks disagree on tensor {key!r}: rank {first[key]} has {_describe(merged[key])}, "
+                    f"rank {rank} has {_describe(entry)}; ranks saving the same key must agree"
                 )
+    return merged
 
 
 def _describe(entry: tuple[str, tuple[int, ...]] | None) -> str:

@@ -32,7 +32,7 @@ from shardwise.checkpoint.format import (
     METADATA_FILE, Chunk, Metadata, TensorEntry, chunk_key, crc32_of, dtype_to_name,
 )
 from shardwise.checkpoint.group import World, current_world
-from shardwise.checkpoint.plan import Block, Proposal, assign_writers, full_block, proposed_block, split_rows
+from shardwise.checkpoint.plan import Block, Proposal, assign_writers, full_block, merged_declarations, proposed_block, split_rows
 from shardwise.checkpoint.safetensors_io import TensorSlot, write_file
 from shardwise.dtensor import DTensor
 
@@ -101,7 +101,8 @@ def _save_into_tmp(world: World, path: str, token: str | None, error: str | None
     token, declared, proposals = _exchange_proposals(world, token, error, local)
     written = assign_writers(declared, proposals)[world.rank]
     chunks = _exchange_chunks(world, path, token, local, written, max_chunk_bytes)
-    error = _guarded(lambda: _finish(path, token, local, chunks)) if world.rank == 0 else None
+    merged = merged_declarations(declared)  # ranks may save different keys (pipeline stages)
+    error = _guarded(lambda: _finish(path, token, local, merged, chunks)) if world.rank == 0 else None
     world.agree(error)
 
 
@@ -217,14 +218,18 @@ def _local_block(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def _finish(path: str, token: str, local: _LocalState, chunks: list[tuple[str, Chunk]]) -> None:
-    """Rank 0: write metadata.json last (fsync'ed), then commit the directory."""
-    by_key: dict[str, list[Chunk]] = {key: [] for key in local.declared}
+def _finish(path: str, token: str, local: _LocalState, declared: dict[str, tuple[str, tuple[int, ...]]],
+            chunks: list[tuple[str, Chunk]]) -> None:
+    """Rank 0: write metadata.json last (fsync'ed), then commit the directory.
+
+    ``declared``: the tensors of all ranks; the scalar values are rank 0's.
+    """
+    by_key: dict[str, list[Chunk]] = {key: [] for key in declared}
     for key, chunk in chunks:
         by_key[key].append(chunk)
     tensors = {
         key: TensorEntry(dtype, shape, tuple(sorted(by_key[key], key=lambda c: c.offsets)))
-        for key, (dtype, shape) in local.declared.items()
+        for key, (dtype, shape) in declared.items()
     }
     text = Metadata(tensors, local.values).to_json()
     tmp = commit_.tmp_dir(path, token)

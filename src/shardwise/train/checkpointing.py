@@ -126,6 +126,10 @@ class TrainState:
     schedule_steps: int = 0  # --steps: the horizon of the learning-rate schedule
     config: str = ""
     resumed_from: dict[str, Any] | None = None  # after ``load``: the path and the saved train values
+    # Pipelined runs: the whole model's parameter names, in order. ``model`` holds some of them
+    # (its stages'), so the optimizer's parameter group is saved under all of them: every rank
+    # writes the same values, and the checkpoint loads into any layout, pipelined or not.
+    param_names: list[str] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint layout; its tensors are the live ones (``load`` fills them in place)."""
@@ -133,7 +137,11 @@ class TrainState:
 
         train = {"step": self.step, "data_position": self.step, "seed": self.seed,
                  "steps": self.schedule_steps, "config": self.config}
-        return {"model": self.model.state_dict(), "optimizer": optimizer_state_dict(self.model, self.optimizer),
+        optimizer = optimizer_state_dict(self.model, self.optimizer)
+        if self.param_names is not None:
+            optimizer["param_groups"] = [{**group, "params": list(self.param_names)}
+                                         for group in _single_group(optimizer["param_groups"])]
+        return {"model": self.model.state_dict(), "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(), "train": train}
 
     def save(self, path: str) -> None:
@@ -152,10 +160,21 @@ class TrainState:
         if train["data_position"] != train["step"]:
             raise CheckpointError(f"checkpoint {path}: data position {train['data_position']} differs from step "
                                   f"{train['step']}; this trainer's data position is its step")
+        if self.param_names is not None:  # keep this rank's parameters of the saved group
+            held = {name for name, _ in self.model.named_parameters()}
+            target["optimizer"]["param_groups"] = [{**group, "params": [n for n in group["params"] if n in held]}
+                                                   for group in _single_group(target["optimizer"]["param_groups"])]
         load_optimizer_state_dict(self.model, self.optimizer, target["optimizer"])
         self.scheduler.load_state_dict(target["scheduler"])
         self.step = train["step"]
         self.resumed_from = {"path": path, **train}
+
+
+def _single_group(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups, which a pipelined run's checkpoint requires to be one."""
+    if len(groups) != 1:
+        raise CheckpointError(f"a pipelined run's checkpoint needs one optimizer parameter group, got {len(groups)}")
+    return groups
 
 
 class Checkpointer(Protocol):

@@ -2,6 +2,7 @@
 
     python -m shardwise.train --config debug --steps 50                  # one process
     python -m shardwise.train --nproc 4 --tp 2 --dp-shard 2 --plot loss.png
+    python -m shardwise.train --nproc 8 --pp 2 --dp-shard 2 --tp 2 --pp-schedule 1f1b --pp-microbatches 4
     torchrun --nproc-per-node 8 -m shardwise.train --config llama3_8b --tp 8 --mixed-precision
     python -m shardwise.train --nproc 4 --dp-shard 4 --steps 200 --stop-after 100 --checkpoint-dir ckpt
     python -m shardwise.train --nproc 4 --tp 2 --dp-shard 2 --steps 200 --checkpoint-dir ckpt --resume
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = JobConfig()
     p = argparse.ArgumentParser(prog=PROG, formatter_class=_HelpFormatter,
                                 description="Train a Llama-style model on the Python standard library's source with "
-                                "any mix of FSDP/HSDP, DDP, TP, SP, loss parallelism and context parallelism (--cp).")
+                                "any mix of FSDP/HSDP, DDP, TP, SP, loss parallelism, context parallelism (--cp) and pipeline "
+                                "parallelism (--pp).")
     p.add_argument("--config", default=d.config, metavar="NAME",
                    help="model shapes: " + "; ".join(describe_config(name) for name in CONFIGS))
     p.add_argument("--nproc", type=int, default=None,
@@ -66,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel degree: each sequence is split over cp ranks (ring attention; --seq-len "
                         "divisible by 2 x cp); FSDP shards over dp-shard x cp")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=d.pp,
+                   help="pipeline-parallel degree: the blocks are split into --pp stages of equally many layers (2 x "
+                        "--pp with interleaved_1f1b), each parallelized on its own ranks")
+    p.add_argument("--pp-schedule", default=d.pp_schedule, choices=("gpipe", "1f1b", "interleaved_1f1b"),
+                   help="pipeline schedule (torch.distributed.pipelining's)")
+    p.add_argument("--pp-microbatches", type=int, metavar="M", default=d.pp_microbatches,
+                   help="microbatches per step through the pipeline; must divide each data-parallel rank's batch "
+                        "(default: --pp)")
     p.add_argument("--sequence-parallel", action="store_true", help="shard norms/residuals along the sequence (tp)")
     p.add_argument("--loss-parallel", action="store_true", help="loss on vocabulary-sharded logits (tp)")
     p.add_argument("--steps", type=int, default=d.steps, help="steps of the run; the learning-rate schedule spans them")

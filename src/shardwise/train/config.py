@@ -102,6 +102,8 @@ class ModelArgs:
 CONFIGS: dict[str, ModelArgs] = {
     # Parity tests: smallest shapes that still divide by tp=4 everywhere (heads, kv heads, hidden).
     "tiny": ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, multiple_of=32),
+    # Pipeline parity tests: tiny with four blocks (interleaved 1F1B over 2 ranks runs 4 stages).
+    "tiny4": ModelArgs(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=32),
     # The default: learns visibly on a CPU (see CONFIG_NOTES for its measured speed).
     "debug": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=256),
     # Eight blocks of width 512, for a GPU.
@@ -117,6 +119,7 @@ CONFIGS: dict[str, ModelArgs] = {
 # on a shared x86 server core, 0.79-0.80 s per step at the default 8 x 128 tokens.
 CONFIG_NOTES: dict[str, str] = {
     "tiny": "the parity tests' model",
+    "tiny4": "tiny with four blocks, for the pipeline parity tests",
     "debug": "learns on a CPU, about 0.8 s per step on one core at the default batch",
     "small": "for a GPU",
     "llama3_8b": "Llama 3 8B shapes, GPUs only",
@@ -153,6 +156,9 @@ class JobConfig:
         nproc: processes (ranks) in the job.
         dp_replicate / dp_shard / cp / tp: parallel degrees (dp_shard=-1 takes what is left); cp
             shards each sequence over the cp ranks (ring attention, load-balanced layout).
+        pp: pipeline-parallel degree: the blocks are split into stages (``pipeline_split.py``).
+        pp_schedule: the pipeline schedule: gpipe, 1f1b or interleaved_1f1b (two stages per rank).
+        pp_microbatches: microbatches per step through the pipeline (None: ``pp``).
         sequence_parallel: shard norms and residuals along the sequence over the tp axis.
         loss_parallel: compute the loss on vocabulary-sharded logits (no logits all-gather).
         steps: optimizer steps of the run (the learning-rate schedule spans them).
@@ -186,6 +192,9 @@ class JobConfig:
     dp_shard: int = -1
     cp: int = 1
     tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
     steps: int = 20
@@ -221,39 +230,48 @@ class JobConfig:
         self._check_degrees()
         try:
             return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
-                                world_size=self.nproc)
+                                pp=self.pp, world_size=self.nproc)
         except ValueError as err:
             raise ConfigError(f"parallel degrees do not fit --nproc {self.nproc}: {err}") from None
 
     def _check_degrees(self) -> None:
         """The product of the degrees is the world size, said in the CLI's flags.
 
-        ``ParallelDims`` also knows pp and ep, which the trainer has no flags for yet.
+        ``ParallelDims`` also knows ep, which the trainer has no flag for yet.
         """
         world = f"the number of processes {self.nproc} (--nproc, or the launcher's world size)"
         cp = f" x --cp {self.cp}" if self.cp != 1 else ""
+        pp = f" x --pp {self.pp}" if self.pp != 1 else ""
         if self.dp_shard == -1:
-            others = self.dp_replicate * self.cp * self.tp
+            others = self.dp_replicate * self.cp * self.tp * self.pp
             if self.nproc % others:
                 raise ConfigError(f"cannot infer --dp-shard: {world} is not divisible by --dp-replicate "
-                                  f"{self.dp_replicate}{cp} x --tp {self.tp} = {others}")
+                                  f"{self.dp_replicate}{cp} x --tp {self.tp}{pp} = {others}")
             return
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != self.nproc:
-            raise ConfigError(f"--dp-replicate {self.dp_replicate} x --dp-shard {self.dp_shard}{cp} x --tp {self.tp} = "
-                              f"{product} must equal {world}; --dp-shard -1 (the default) infers it")
+            raise ConfigError(f"--dp-replicate {self.dp_replicate} x --dp-shard {self.dp_shard}{cp} x --tp {self.tp}{pp} "
+                              f"= {product} must equal {world}; --dp-shard -1 (the default) infers it")
 
     def describe_layout(self) -> str:
         """The resolved layout in words, e.g. ``HSDP dp_replicate=2 x dp_shard=2 (dp_shard inferred ...)``."""
         text = self.parallel_dims().describe()
         extras = [f for f, on in (("+SP", self.sequence_parallel), ("+loss parallel", self.loss_parallel)) if on]
         text += "".join(" " + e for e in extras)
-        inferred = self.nproc // (self.dp_replicate * self.cp * self.tp)
+        if self.pp > 1:
+            text += f" ({self.pp_schedule}, {self.microbatches} microbatches)"
+        inferred = self.nproc // (self.dp_replicate * self.cp * self.tp * self.pp)
         if self.dp_shard == -1 and inferred > 1:
             cp = f" x --cp {self.cp}" if self.cp != 1 else ""
+            pp = f" x --pp {self.pp}" if self.pp != 1 else ""
             text += (f" (dp_shard inferred: --nproc {self.nproc} / (--dp-replicate {self.dp_replicate}{cp} x "
-                     f"--tp {self.tp}))")
+                     f"--tp {self.tp}{pp}))")
         return text
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per step through the pipeline: ``--pp-microbatches``, or ``--pp``."""
+        return self.pp_microbatches if self.pp_microbatches is not None else self.pp
 
     @property
     def last_step(self) -> int:
@@ -263,7 +281,9 @@ class JobConfig:
     def layout(self) -> str:
         """A short name of the layout, e.g. ``dp_shard=2 tp=2 +sp +loss_parallel``."""
         dims = self.parallel_dims()
-        parts = [f"{n}={getattr(dims, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1]
+        parts = [f"{n}={getattr(dims, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(dims, n) > 1]
+        if dims.pp > 1:
+            parts.append(f"+{self.pp_schedule}")
         flags = [f for f, on in (("+sp", self.sequence_parallel), ("+loss_parallel", self.loss_parallel),
                                  ("+ac", self.activation_checkpointing), ("+bf16", self.mixed_precision),
                                  ("+compile", self.compile)) if on]
@@ -280,6 +300,7 @@ class JobConfig:
         dims = self.parallel_dims()
         self._check_batch(dims)
         self._check_layout(model, dims)
+        self._check_pipeline(model, dims)
         self._check_checkpointing()
         self._check_outputs()
         self._check_corpus()
@@ -297,7 +318,7 @@ class JobConfig:
 
     def _check_numbers(self) -> None:
         at_least_one = {"--nproc": self.nproc, "--steps": self.steps, "--global-batch": self.global_batch,
-                        "--log-every": self.log_every, "--tp": self.tp, "--cp": self.cp,
+                        "--log-every": self.log_every, "--tp": self.tp, "--cp": self.cp, "--pp": self.pp,
                         "--dp-replicate": self.dp_replicate}
         bad = [f"{k} {v}" for k, v in at_least_one.items() if v < 1]
         if bad:
@@ -350,6 +371,29 @@ class JobConfig:
         if dims.cp > 1 and self.sequence_parallel and (self.seq_len // dims.cp) % tp:
             raise ConfigError(f"--seq-len {self.seq_len} / --cp {dims.cp} is not divisible by --tp {tp} (needed by "
                               f"--sequence-parallel on each cp rank's part of the sequence)")
+
+    def _check_pipeline(self, model: ModelArgs, dims: ParallelDims) -> None:
+        """Pipeline flags: stages of equally many layers, microbatches that split each rank's batch."""
+        from shardwise.parallel.pipeline_split import SCHEDULES, pipeline_problems
+
+        if dims.pp == 1:
+            used = [f for f, on in (("--pp-schedule", self.pp_schedule != "1f1b"),
+                                    ("--pp-microbatches", self.pp_microbatches is not None)) if on]
+            if used:
+                raise ConfigError(f"{' and '.join(used)} {'apply' if len(used) > 1 else 'applies'} to pipeline "
+                                  f"parallelism: use --pp > 1 (got --pp 1)")
+            return
+        if self.pp_schedule not in SCHEDULES:
+            raise ConfigError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}")
+        problems = pipeline_problems(model.n_layers, dims.pp, self.pp_schedule, self.microbatches,
+                                     self.global_batch // dims.dp_degree)
+        if problems:
+            raise ConfigError(problems[0].replace("the model's", f"config {self.config!r}'s", 1))
+        if self.pp_schedule == "interleaved_1f1b" and self.sequence_parallel:
+            raise ConfigError("--pp-schedule interleaved_1f1b with --sequence-parallel is not supported: torch's "
+                              "multi-stage schedules first run each stage on placeholder inputs, identical on the tp "
+                              "ranks, which sequence parallelism refuses as sequence shards; use --pp-schedule 1f1b "
+                              "or gpipe")
 
     def _check_checkpointing(self) -> None:
         if self.checkpoint_every is not None and self.checkpoint_every < 1:

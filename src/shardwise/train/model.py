@@ -156,19 +156,28 @@ class Transformer(nn.Module):
         own blocks). On the meta device nothing is drawn and no random numbers are consumed.
         """
         with torch.no_grad(), layout_independent():
-            nn.init.normal_(self.tok_embeddings.weight)
+            if self.tok_embeddings is not None:  # a pipeline stage holds some of the modules (None: not here)
+                nn.init.normal_(self.tok_embeddings.weight)
             for block in self.layers.values():
                 block.init_weights()
-            self.norm.reset_parameters()
-            cutoff = 3 / math.sqrt(self.args.dim)
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim ** -0.5, a=-cutoff, b=cutoff)
+            if self.norm is not None:
+                self.norm.reset_parameters()
+            if self.output is not None:
+                cutoff = 3 / math.sqrt(self.args.dim)
+                nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim ** -0.5, a=-cutoff, b=cutoff)
         # A plain buffer every rank holds whole: to_empty left it uninitialized.
         table = rotary_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
         self.register_buffer("rotary", table.to(self.rotary.device), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [bs, seqlen, vocab] for token ids [bs, seqlen]."""
-        h = self.tok_embeddings(tokens)
+        """Logits [bs, seqlen, vocab] for token ids [bs, seqlen].
+
+        A pipeline stage (``shardwise.parallel.pipeline``) has some of the modules set to None
+        and blocks removed: it takes and returns the hidden states [bs, seqlen, dim] where it
+        has no embedding / no output layer.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.rotary)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

@@ -36,7 +36,8 @@ from shardwise.parallel.parallel_dims import ParallelDims
 from shardwise.train.config import ModelArgs
 from shardwise.train.model import Transformer
 
-__all__ = ["ParallelAPI", "shardwise_api", "ParallelOptions", "parallelize_llama", "build_llama", "tp_plans",
+__all__ = ["ParallelAPI", "shardwise_api", "ParallelOptions", "parallelize_llama", "build_llama", "LlamaStages",
+           "build_llama_stages", "tp_plans",
            "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "apply_ddp"]
 
 
@@ -151,6 +152,56 @@ def build_llama(args: ModelArgs, dims: ParallelDims, world_mesh, options: Parall
     return model
 
 
+@dataclass
+class LlamaStages:
+    """What one pipeline rank holds of the model: its stages and their modules together.
+
+    ``stages`` are the stage modules (``split_stage`` of one whole ``Transformer``) by increasing
+    stage index; ``model`` holds all of this rank's modules under the whole model's paths (one
+    module for the optimizer, gradient clipping and checkpoints). They share their modules.
+    """
+
+    stages: list[nn.Module]
+    indices: list[int]
+    num_stages: int
+    model: nn.Module
+    param_names: list[str]  # every parameter of the whole model, in its order (all stages)
+
+
+def build_llama_stages(args: ModelArgs, dims: ParallelDims, world_mesh, options: ParallelOptions,
+                       device: torch.device | str, schedule: str) -> LlamaStages:
+    """This pipeline rank's stages, each parallelized on its slice of the mesh, with the
+    parameters of ``Transformer(args)`` built whole on one device after the same seed.
+
+    The whole model is built on meta; each stage keeps its modules (``stage_module_paths``) and
+    is parallelized as ``parallelize_llama`` does for the whole model; only the stages' modules
+    get storage. ``init_weights`` then runs on the whole model, where the other stages' meta
+    modules consume their random numbers without drawing (``meta_fills_advance``), so every
+    parameter gets the value it has on one device.
+    """
+    from shardwise.parallel.pipeline import split_stage
+    from shardwise.parallel.pipeline_split import num_stages, stage_module_paths, stages_of_rank
+    from shardwise.random import meta_fills_advance
+
+    with torch.device("meta"):
+        whole = Transformer(args)
+    total = num_stages(dims.pp, schedule)
+    indices = stages_of_rank(world_mesh["pp"].get_local_rank(), dims.pp, schedule)
+    paths = [stage_module_paths(args.n_layers, total, i) for i in indices]
+    stages = [split_stage(whole, p) for p in paths]
+    for stage in stages:
+        parallelize_llama(stage, dims, world_mesh, options)
+        stage.to_empty(device=device)
+    whole.register_buffer("rotary", torch.empty_like(whole.rotary, device=device), persistent=False)
+    with meta_fills_advance():
+        whole.init_weights()
+    rank_model = split_stage(whole, [p for per_stage in paths for p in per_stage])
+    for module in (*stages, rank_model):
+        module.register_buffer("rotary", whole.rotary, persistent=False)  # one tensor: sharded once under cp
+    names = [name for name, _ in whole.named_parameters()]
+    return LlamaStages(stages, indices, total, rank_model, names)
+
+
 def fsdp_applies_mixed_precision(dims: ParallelDims) -> bool:
     """Whether FSDP casts parameters for this layout (else the trainer autocasts the forward)."""
     return dims.fsdp_enabled
@@ -206,6 +257,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
     """Shard the model over the 1-D ``tp_mesh`` with ``tp_plans``."""
     api = api or shardwise_api()
     root, block = tp_plans(sequence_parallel, loss_parallel, api)
+    root = {path: style for path, style in root.items() if getattr(model, path, None) is not None}  # pipeline stage
     api.parallelize_module(model, tp_mesh, root)
     for layer in model.layers.values():
         api.parallelize_module(layer, tp_mesh, block)

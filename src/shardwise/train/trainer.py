@@ -6,6 +6,9 @@ started without a launcher). Steps:
 1. ``Runtime``: process group (gloo on CPU, nccl on CUDA) and the world mesh from the degrees.
 2. The model, built on the meta device, parallelized, then each rank initializes only its
    blocks from the job's seed (``build_llama``): the weights of the one-process run.
+   With ``--pp`` each rank builds only its pipeline stages (``build_pipeline``), and a
+   ``PipelineRunner`` (torch.distributed.pipelining's schedules) runs each step's microbatches
+   through them; the last stage's loss is shared with every pipeline rank.
 3. AdamW with linear warmup and cosine decay over ``--steps``; the data position is the step
    counter. With ``--resume``, the latest checkpoint's model, optimizer, schedule and step are
    loaded into this job's layout (``checkpointing.py``).
@@ -47,6 +50,7 @@ from shardwise.clip_grad import clip_grad_norm_
 from shardwise.failfast import interrupt_context
 from shardwise.launch import close_process_group, under_launcher
 from shardwise.parallel.parallel_dims import ParallelDims
+from shardwise.parallel.pipeline import share_loss
 from shardwise.train.checkpointing import Checkpointer, TrainState, latest_checkpoint, make_checkpointer
 from shardwise.train.config import ConfigError, JobConfig, params_label
 from shardwise.train.data import BatchSource, load_corpus
@@ -91,6 +95,11 @@ class Runtime:
     def cp_mesh(self):
         """1-D mesh of the context-parallel ranks (one sequence's parts), or None without cp."""
         return self.world_mesh["cp"] if self.world_mesh is not None and self.dims.cp_enabled else None
+
+    @property
+    def pp_mesh(self):
+        """1-D mesh of the pipeline ranks (one stage or two each), or None without pipeline parallelism."""
+        return self.world_mesh["pp"] if self.world_mesh is not None and self.dims.pp_enabled else None
 
     @property
     def loss_mesh(self):
@@ -211,6 +220,30 @@ def build_model(job: JobConfig, runtime: Runtime) -> torch.nn.Module:
     return model
 
 
+def build_pipeline(job: JobConfig, runtime: Runtime):
+    """This rank's pipeline stages (parameters of the one-process model) and the runner of its schedule.
+
+    Returns ``(model, runner, names)``: ``model`` holds this rank's modules under the whole
+    model's paths (optimizer, clipping, checkpoints); ``runner.step`` runs one batch through the
+    stages; ``names`` are the whole model's parameter names (for the optimizer's checkpoint).
+    """
+    from shardwise.parallel.pipeline import PipelineRunner
+    from shardwise.train.parallelize import build_llama_stages
+
+    sw_random.manual_seed(job.seed)
+    options = ParallelOptions(job.sequence_parallel, job.loss_parallel, job.activation_checkpointing,
+                              job.mixed_precision, job.compile_backend if job.compile else None)
+    held = build_llama_stages(job.model_args(), runtime.dims, runtime.world_mesh, options, runtime.device,
+                              job.pp_schedule)
+    if runtime.cp_mesh is not None:  # as build_model: the table covers one sequence (one tensor, shared)
+        rotary = held.model.rotary[:job.seq_len].clone()
+        for module in (*held.stages, held.model):
+            module.register_buffer("rotary", rotary, persistent=False)
+    runner = PipelineRunner(held.stages, held.indices, held.num_stages, runtime.pp_mesh, runtime.device,
+                            job.pp_schedule, job.microbatches, loss_fn)
+    return held.model, runner, held.param_names
+
+
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over every token of the (local) batch, in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
@@ -284,10 +317,15 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
     _say(runtime, f"shardwise.train: config {job.config!r} ({params_label(args.num_params())} params), "
                   f"{job.nproc} rank(s) on {runtime.device.type}, layout {job.layout()}, "
                   f"global batch {job.global_batch} x {job.seq_len} tokens, {job.steps} steps")
-    model = build_model(job, runtime)
+    runner, names = None, None
+    if runtime.pp_mesh is not None:
+        model, runner, names = build_pipeline(job, runtime)
+    else:
+        model = build_model(job, runtime)
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, job.warmup, job.steps))
-    state = TrainState(model, optimizer, scheduler, seed=job.seed, schedule_steps=job.steps, config=job.config)
+    state = TrainState(model, optimizer, scheduler, seed=job.seed, schedule_steps=job.steps, config=job.config,
+                       param_names=names)
     checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.last_step, job.resume)
     first = _restore(job, runtime, checkpointer, state)
     data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
@@ -300,10 +338,13 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
         inputs, labels = (t.to(runtime.device) for t in data.batch_at(step))
         with _explaining(job, runtime, step == first):
             with _step_context(job, runtime, model, inputs, labels):
-                loss = loss_fn(model(inputs), labels)
-                loss.backward()
+                if runner is not None:  # pipeline: the last stage's loss, on every pipeline rank
+                    loss = share_loss(runner.step(inputs, labels), runtime.pp_mesh, runtime.device)
+                else:
+                    loss = loss_fn(model(inputs), labels)
+                    loss.backward()
             if job.max_norm > 0:
-                clip_grad_norm_(model.parameters(), job.max_norm)
+                clip_grad_norm_(model.parameters(), job.max_norm, across=runtime.pp_mesh)
             optimizer.step()
         metrics.record_state(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
