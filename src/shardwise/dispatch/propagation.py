@@ -147,7 +147,9 @@ def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, descri
     else:
         candidates = registration.fn(schema)
     candidates = [c for c in candidates if c is not None and _valid_outputs(c)]
-    owed = partial_axes(schema.specs) if outputs and schema.specs else ()
+    # Look ahead past the op (strategy.pending_reduction), except for views: a view that
+    # moves its input is a copy, so a Partial passes through views as it is.
+    owed = partial_axes(schema.specs) if outputs and schema.specs and not _is_view(op) else ()
     extra = (lambda c: pending_reduction(c, outputs, schema.mesh.shape, owed)) if any(owed) else None
     best = choose(schema, [c for c in candidates if _keeps_mutated(op, schema, c)], extra=extra)
     if best is not None:
@@ -267,6 +269,12 @@ def _returns(schema: OpSchema, moves: bool) -> str:
         if isinstance(schema.args[0], DTensorSpec):
             return "self"
     return "wrap"
+
+
+def _is_view(op: Any) -> bool:
+    """Whether the op returns an alias of an input (a view), not new data."""
+    returns = op._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
 # ---------------------------------------------------------------------- mutation
