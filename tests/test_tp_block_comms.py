@@ -10,9 +10,9 @@ reduce-scatters (one per sub-block). Values and gradients are checked against on
 import torch
 
 import shardwise as sw
-from shardwise import DTensor
+from shardwise import DTensor, Shard
 from shardwise.debug import CommDebugMode
-from shardwise.parallel import parallelize_module
+from shardwise.parallel import ColwiseParallel, parallelize_module
 from shardwise.train.config import ModelArgs
 from shardwise.train.model import TransformerBlock, rotary_table
 from shardwise.train.parallelize import tp_plans
@@ -61,13 +61,37 @@ def _run(case):
     return out.detach(), x.grad, grads, dict(forward.get_comm_counts()), dict(backward.get_comm_counts())
 
 
+def _two_readers():
+    """Two colwise layers reading one row-sharded plain tensor, written in place between reads:
+    the first two reads share one all_gather, the read after the write gathers the new values."""
+    mesh = sw.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    torch.manual_seed(2)
+    layers = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 8), "b": torch.nn.Linear(4, 8)})
+    style = dict(input_layouts=Shard(0), use_local_output=False)
+    parallelize_module(layers, mesh, {"a": ColwiseParallel(**style), "b": ColwiseParallel(**style)})
+    rank = torch.distributed.get_rank()
+    x = torch.randn(8, 4)[2 * rank:2 * rank + 2].clone()
+    with CommDebugMode() as comms:
+        first = [layers["a"](x), layers["b"](x)]
+        x.mul_(2)
+        after = layers["b"](x)
+    moves = dict(comms.get_comm_counts())
+    return [y.full_tensor() for y in first], after.full_tensor(), moves
+
+
 def _all_cases():
-    return [_run(case) for case in CASES]
+    return [_run(case) for case in CASES], _two_readers()
 
 
 def test_trainer_tp_blocks_communicate_as_the_hand_written_ideal(dist):
     out, x_grad, ref_grads = _reference()
-    for rank, results in enumerate(dist.run(TP, _all_cases)):
+    torch.manual_seed(2)
+    a, b = torch.nn.Linear(4, 8), torch.nn.Linear(4, 8)
+    x = torch.randn(8, 4)
+    for rank, (results, (shared, after, counts)) in enumerate(dist.run(TP, _all_cases)):
+        torch.testing.assert_close(shared, [a(x), b(x)])
+        torch.testing.assert_close(after, b(2 * x))  # written in place: moved again, not reused
+        assert counts == {"all_gather": 2}  # x once for a and b, once more after the write
         for (sequence_parallel, prepare), (got, got_x_grad, grads, fwd, bwd) in zip(CASES, results):
             case = f"sp={sequence_parallel} prepare={prepare} rank={rank}"
             piece = slice(rank * SEQ // TP, (rank + 1) * SEQ // TP) if sequence_parallel else slice(None)
