@@ -29,7 +29,7 @@ def _reference():
     return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
 
 
-def _plan(sequence_parallel: bool) -> dict:
+def _plan(sequence_parallel: bool, prepare: bool = True) -> dict:
     rowwise_out = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "attention.wq": ColwiseParallel(),
@@ -40,8 +40,9 @@ def _plan(sequence_parallel: bool) -> dict:
         "feed_forward.w2": RowwiseParallel(output_layouts=rowwise_out),
     }
     if sequence_parallel:
+        plan["*_norm"] = SequenceParallel()
+    if sequence_parallel and prepare:
         plan.update({
-            "*_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
@@ -52,9 +53,9 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _tp_block(sequence_parallel: bool, one_input: bool = False):
+def _tp_block(sequence_parallel: bool, one_input: bool = False, prepare: bool = True):
     mesh = sw.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
-    plan = _plan(sequence_parallel)
+    plan = _plan(sequence_parallel, prepare)
     if one_input:
         plan["attention"] = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None))
         plan["feed_forward"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
@@ -104,11 +105,24 @@ def test_shared_replicated_input_reduces_input_gradients_once(dist):
 
 
 def test_tensor_parallel_block_matches_single_device(dist):
-    """Megatron TP: one all-reduce per rowwise layer forward; backward reduces each colwise input."""
+    """Megatron TP: one all-reduce per rowwise layer forward; backward, the colwise layers that
+    read one input share its move, so their input gradients are reduced once per sub-block."""
     for fwd, bwd, layouts in _check_against_reference(dist.run(TP, _tp_block, False), False):
         assert fwd == {"all_reduce": 2}
-        assert bwd == {"all_reduce": 5}  # the input gradients of wq, wk, wv, w1, w3
+        assert bwd == {"all_reduce": 2}  # not one per input gradient of wq, wk, wv, w1, w3
         assert "attention_norm.weight" not in layouts  # left alone: plain parameters
+
+
+def _sp_block_without_prepare():
+    return _tp_block(True, prepare=False)
+
+
+def test_sequence_parallel_block_without_prepare_module_input(dist):
+    """TP + SP with no PrepareModuleInput in the plan: the colwise layers that read the norm's
+    sequence-sharded output share one all-gather (forward) and one reduce-scatter (backward)."""
+    for fwd, bwd, _ in _check_against_reference(dist.run(TP, _sp_block_without_prepare), True):
+        assert fwd == {"all_gather": 2, "reduce_scatter": 2}
+        assert bwd == {"all_gather": 2, "reduce_scatter": 2}
 
 
 def test_sequence_parallel_block_matches_single_device(dist):

@@ -19,7 +19,9 @@ from typing import Any, Callable
 import torch
 
 from shardwise.dispatch import registry
-from shardwise.dispatch.strategy import Candidate, OpSchema, choose, count_specs, expand, replicate_all
+from shardwise.dispatch.strategy import (
+    Candidate, OpSchema, choose, count_specs, expand, partial_axes, pending_reduction, replicate_all,
+)
 from shardwise.spec import DTensorSpec, TensorMeta
 
 __all__ = [
@@ -129,12 +131,13 @@ def _propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, d
             raise UnsupportedOp(f"{describe()}: the replicate fallback cannot write into "
                                 f"{_mutated_layouts(op, schema)} in place; use the out-of-place op")
     else:
-        candidate, write_back = _candidate(op, schema, registration, len(outputs), describe)
+        candidate, write_back = _candidate(op, schema, registration, len(outputs), describe, outputs)
     plan = _plan(schema, candidate, outputs)
     return OutputPlan("custom", handler=_write_back(plan)) if write_back else plan
 
 
-def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, describe) -> tuple[Candidate, bool]:
+def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, describe,
+               outputs: list = ()) -> tuple[Candidate, bool]:
     """The chosen layout, and whether the mutated ``self`` must be written back into its own
     layout after the op ran in another one (see ``_write_back``)."""
     if registration.kind == "rule":
@@ -144,7 +147,11 @@ def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, descri
     else:
         candidates = registration.fn(schema)
     candidates = [c for c in candidates if c is not None and _valid_outputs(c)]
-    best = choose(schema, [c for c in candidates if _keeps_mutated(op, schema, c)])
+    # Look ahead past the op (strategy.pending_reduction), except for views: a view that
+    # moves its input is a copy, so a Partial passes through views as it is.
+    owed = partial_axes(schema.specs) if outputs and schema.specs and not _is_view(op) else ()
+    extra = (lambda c: pending_reduction(c, outputs, schema.mesh.shape, owed)) if any(owed) else None
+    best = choose(schema, [c for c in candidates if _keeps_mutated(op, schema, c)], extra=extra)
     if best is not None:
         return best, False
     if _mutates_self_only(op, schema):
@@ -262,6 +269,12 @@ def _returns(schema: OpSchema, moves: bool) -> str:
         if isinstance(schema.args[0], DTensorSpec):
             return "self"
     return "wrap"
+
+
+def _is_view(op: Any) -> bool:
+    """Whether the op returns an alias of an input (a view), not new data."""
+    returns = op._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
 # ---------------------------------------------------------------------- mutation

@@ -6,6 +6,13 @@ independently, so they list candidates for ONE axis (``AxisCandidate``: output p
 input placements) and ``expand`` builds every N-D combination. ``choose`` scores each candidate
 by the bytes needed to move the inputs there (the redistribute planner's cost) and keeps the
 cheapest; ties go to the earlier candidate, so every rank picks the same one.
+
+Looking past the op: a Partial output is a reduction left for later, and later is rarely
+cheaper (every consumer that needs the value pays it again on its own copy). ``pending_reduction``
+charges each candidate the least its Partial outputs will cost to reduce (a reduce_scatter
+of the output) on the axes where an input is already Partial, so that an op whose Partial
+input can be reduced now for no more bytes does so, instead of handing the pending sum on to
+consumers that would each reduce it again.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from shardwise.placement import Placement, Replicate, check_placements
 from shardwise.redistribute.execute import plan_for
 from shardwise.spec import DTensorSpec
 
-__all__ = ["OpSchema", "Candidate", "AxisCandidate", "expand", "choose", "replicate_all"]
+__all__ = ["OpSchema", "Candidate", "AxisCandidate", "expand", "choose", "replicate_all", "pending_reduction", "partial_axes"]
 
 # One mesh axis: (output placements..., input placements...); None = not a DTensor / any.
 AxisCandidate = tuple
@@ -134,3 +141,35 @@ def _changed_axes(spec: DTensorSpec, target: tuple[Placement, ...] | None) -> in
     if target is None:
         return 0
     return sum(a != b for a, b in zip(spec.placements, target))
+
+
+def pending_reduction(candidate: Candidate, outputs: Sequence[Any], mesh_shape: Sequence[int],
+                      owed: Sequence[bool] | None = None) -> float:
+    """Bytes the busiest rank will send to reduce the candidate's Partial outputs, at least.
+
+    For each tensor output (``outputs``: the op's outputs on meta tensors of the global shapes)
+    whose placements hold Partial axes of total size ``n``: its local block's bytes times
+    ``(n - 1) / n``, what a reduce_scatter over those axes sends, the cheapest way to make the
+    value whole somewhere. ``owed[axis]``: only Partial axes where an input is already Partial
+    count (the reduction is owed either way: now or after the op); a Partial the op makes
+    from values (a matmul over a sharded inner dim, a sum over a sharded dim) is the op's
+    communication-free form and stays free. None counts every axis.
+    """
+    total = 0.0
+    for placements, out in zip(candidate.outputs, outputs):
+        if placements is None or not isinstance(out, torch.Tensor):
+            continue
+        partial = sharded = 1
+        for axis, (placement, size) in enumerate(zip(placements, mesh_shape)):
+            if placement.is_partial() and (owed is None or owed[axis]):
+                partial *= size
+            elif placement.is_shard():
+                sharded *= size
+        if partial > 1:
+            total += out.numel() * out.element_size() / sharded * (partial - 1) / partial
+    return total
+
+
+def partial_axes(specs: Sequence[DTensorSpec]) -> tuple[bool, ...]:
+    """Per mesh axis: whether some input is Partial on it (a reduction already owed)."""
+    return tuple(any(s.placements[a].is_partial() for s in specs) for a in range(specs[0].mesh.ndim))

@@ -20,6 +20,7 @@ a bad plan fails on every rank before any collective.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -52,11 +53,59 @@ def to_layout(value: Any, mesh: DeviceMesh, given: Placement | None, desired: Pl
     """
     if given is None or not isinstance(value, torch.Tensor):
         return value
-    if not isinstance(value, DTensor):
-        value = DTensor.from_local(value, mesh, [given], shape=shape)
-    if desired is not None and value._spec.placements != (desired,):
-        value = value.redistribute(mesh, [desired])
-    return value
+    if isinstance(value, DTensor) and (desired is None or value._spec.placements == (desired,)):
+        return value
+    key = (mesh, given, desired, None if shape is None else tuple(shape), torch.is_grad_enabled())
+    moved = _LAST_MOVE.reuse(value, key)
+    if moved is None:
+        moved = value
+        if not isinstance(moved, DTensor):
+            moved = DTensor.from_local(moved, mesh, [given], shape=shape)
+        if desired is not None and moved._spec.placements != (desired,):
+            moved = moved.redistribute(mesh, [desired])
+        _LAST_MOVE.remember(value, key, moved)
+    return moved
+
+
+class _SharedMove:
+    """The last input a style moved, so that modules reading one tensor share one move.
+
+    ``wq``, ``wk`` and ``wv`` (``w1`` and ``w3``) all read the sub-block's input. Moved one by
+    one, the input is gathered once per layer in forward, and in backward each layer's partial
+    input gradient is reduced on its own (5 all-reduces per TP block instead of 2, 5
+    reduce-scatters per SP block instead of 2). Handing every such layer the same moved DTensor
+    makes the forward move once and lets autograd add the partial gradients before the one
+    reduction of that move's backward: what ``PrepareModuleInput`` on the sub-blocks does by
+    hand, without it in the plan.
+
+    One slot, all weak: the source must be the same live object with the same version and the
+    same layouts asked for, and the moved tensor must still be alive (autograd keeps it while
+    a layer saved it for backward) and unmodified. Nothing is kept alive by the slot, and
+    under a tracer (torch.compile) nothing is shared: the graph sees every move.
+    """
+
+    __slots__ = ("source", "version", "key", "moved", "moved_version")
+
+    def __init__(self) -> None:
+        self.source = self.moved = None
+
+    def reuse(self, value: torch.Tensor, key: tuple) -> DTensor | None:
+        source, moved = self.source, self.moved
+        if source is None or source() is not value or self.version != value._version or self.key != key:
+            return None
+        moved = moved()
+        if moved is None or moved._version != self.moved_version or tracing():
+            return None
+        return moved
+
+    def remember(self, value: torch.Tensor, key: tuple, moved: DTensor) -> None:
+        if moved is value or tracing():
+            return
+        self.source, self.version, self.key = weakref.ref(value), value._version, key
+        self.moved, self.moved_version = weakref.ref(moved), moved._version
+
+
+_LAST_MOVE = _SharedMove()
 
 
 def from_layout(value: Any, mesh: DeviceMesh, desired: Placement | None, use_local_output: bool) -> Any:

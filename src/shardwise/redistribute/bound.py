@@ -43,6 +43,18 @@ Partial sources (pending reductions)
     needs (Q must send something about each of them: its contribution or the reduced value).
     The all_reduce byte formula (``numel + (n-2) ceil(numel/n)`` per rank) meets ``total``
     only when ``n`` divides the block; gloo's collectives are not counted below that grain.
+    ``total`` is tight for every Partial source: pick for each element a first owner ``f`` in
+    T holding one of its contributions (any rank of T if none does); in round one one holder
+    of each other contribution sends it to ``f``, which adds them; in round two ``f`` sends the
+    value to the rest of T. That is exactly the count above, and both rounds are all_to_alls
+    with per-peer counts over the flattened group. The planner has no such "reduce at a
+    consumer, then forward" step (a reduce_scatter reduces at ranks chosen by position, not
+    by need), so some plans stay above the bound: e.g. (2, 2), 8x8 float32,
+    ``(Shard(0), Partial) -> (Replicate, Shard(0))`` sends reduce_scatter + all_to_all = 640 B
+    against 512 B (two-round schedule: 512 B, busiest 128 B = ``busiest``). Over the (2, 2)
+    mesh's 112 Partial-source transitions of an 8x8 tensor the plan's total is above ``total``
+    in 8 (at most 1.5x); over the (2, 2, 2) mesh's 2368, in 758 (mean 1.08x, at most 1.75x).
+    The busiest-rank figure is not proven reachable for Partial sources.
 
 Partial targets
     A Partial target holds the value on the ranks at coordinate 0 of its Partial axes and the
