@@ -268,6 +268,21 @@ class DTensor(torch.Tensor):
         return self.redistribute(expected.mesh, expected.placements)
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def wrap_block(local_tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """``DTensor(local_tensor, spec, requires_grad=False)`` without the constructor's Python
+    frame and keyword parsing: how the dispatcher wraps every op's outputs (its hot path).
+    Keep in step with ``DTensor.__new__``."""
+    meta = spec.tensor_meta
+    self = _make_wrapper(DTensor, meta.shape, strides=meta.stride, dtype=meta.dtype,
+                         device=local_tensor.device, layout=local_tensor.layout, requires_grad=False)
+    self._local_tensor = local_tensor
+    self._spec = spec
+    return self
+
+
 # ---------------------------------------------------------------------- the conversions
 # One opaque call each under torch.compile; arguments travel packed (see shardwise/compile.py).
 @opaque
