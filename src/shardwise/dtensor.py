@@ -18,7 +18,7 @@ from shardwise import blocks
 from shardwise.compile import Packed, never_compiled, opaque, pack, tracing, unpack
 from shardwise.dispatch import dispatch
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import Placement, Replicate, Shard, as_placements
+from shardwise.placement import Placement, Replicate, as_placements
 from shardwise.redistribute.cross_mesh import check_same_ranks
 from shardwise.redistribute.function import FromLocal, Redistribute, ToLocal
 from shardwise.spec import DTensorSpec, TensorMeta, contiguous_stride, render_layout

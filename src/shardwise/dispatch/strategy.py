@@ -14,7 +14,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import torch
 
 from shardwise.placement import Placement, Replicate, check_placements
 from shardwise.redistribute.execute import plan_for
