@@ -124,3 +124,17 @@ def test_the_cache_is_bounded_and_safe_under_concurrent_inserts():
     for t in threads:
         t.join()
     assert len(small) == 64
+
+
+def test_the_flag_context_managers_do_not_break_a_compiled_graph():
+    """Dynamo cannot trace context variables: entering the flags inside a compiled function
+    must neither break the graph nor leave a flag set."""
+
+    def f(x):
+        with sw.implicit_replication(), sw.allow_replicate_fallback():
+            y = x * 2
+        return y + 1
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+    assert _flag_state() == (False, False)

@@ -90,9 +90,7 @@ class implicit_replication:
         self._tokens: list = []
 
     def __enter__(self) -> None:
-        before = flags.implicit()
-        value = True if self._scope is None or before is True else self._scope
-        self._tokens.append(flags.push(implicit=value))
+        self._tokens.append(flags.push_implicit(self._scope))
 
     def __exit__(self, *exc) -> None:
         flags.pop(self._tokens.pop())

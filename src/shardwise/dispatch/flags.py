@@ -15,7 +15,11 @@ from __future__ import annotations
 from contextvars import ContextVar, Token
 from typing import Any, NamedTuple
 
-__all__ = ["Flags", "FLAGS", "current", "implicit", "fallback_enabled", "set_fallback_default", "push", "pop"]
+import torch
+
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+__all__ = ["Flags", "FLAGS", "current", "implicit", "fallback_enabled", "set_fallback_default", "push", "push_implicit", "pop"]
 
 
 class Flags(NamedTuple):
@@ -52,13 +56,30 @@ def set_fallback_default(enabled: bool) -> bool:
     return changed
 
 
-def push(**changes: Any) -> Token:
-    """Enter a context with some flags changed; ``pop`` the token to leave it."""
+def push(**changes: Any) -> Token | None:
+    """Enter a context with some flags changed; ``pop`` the token to leave it.
+
+    While Dynamo captures a program this does nothing (Dynamo cannot trace context variables,
+    and would break the graph): the flags matter to the dispatcher, which runs when AOTAutograd
+    traces the captured graph, outside the captured ``with`` block, as before."""
+    if _dynamo_compiling():
+        return None
     return FLAGS.set(FLAGS.get()._replace(**changes))
 
 
-def pop(token: Token) -> None:
+def push_implicit(scope: Any) -> Token | None:
+    """``push`` for ``implicit_replication(scope)``: ``scope`` None means every plain tensor; a
+    scope never narrows an enclosing full setting."""
+    if _dynamo_compiling():
+        return None
+    before = FLAGS.get()
+    return FLAGS.set(before._replace(implicit=True if scope is None or before.implicit is True else scope))
+
+
+def pop(token: Token | None) -> None:
     """Leave the context ``push`` entered (restoring the flags it replaced)."""
+    if token is None:
+        return
     try:
         FLAGS.reset(token)
     except ValueError:  # left in another context than it was entered in: restore by value
