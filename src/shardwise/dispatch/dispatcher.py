@@ -178,6 +178,7 @@ def _local_runner(func, plan: OutputPlan) -> Callable:
                 return wrap(out, spec)
         return run
     view = plan.returns is Returns.VIEW
+    single = specs[0] if _single_tensor_output(func) and specs and specs[0] is not None else None
 
     def run_any(func, args: tuple, kwargs: dict, dtensors: list) -> Any:
         local_args = list(args)
@@ -190,7 +191,9 @@ def _local_runner(func, plan: OutputPlan) -> Callable:
             out = call(*local_args, **local_kwargs)
         except Exception as err:
             raise with_layouts(err, render_call(func, args, kwargs)) from None
-        return _repack_view(out, specs, args[0]) if view else _repack(out, specs)
+        if view and _inference_mode() and not args[0].is_inference():
+            return _repack_view(out, specs, args[0])
+        return wrap(out, single) if single is not None else _repack(out, specs)
 
     return run_any
 
