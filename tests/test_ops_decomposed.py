@@ -35,13 +35,13 @@ def test_decomposed_ops_match_single_device(dist):
 
 
 def _implicit_mode_after_nested_decompositions():
-    from shardwise.dispatch import dispatcher
+    from shardwise.dispatch import flags
 
     mesh = sw.init_device_mesh("cpu", (4,))
     x = sw.distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])
     torch.diag_embed(x)  # decompositions inside a decomposition
     F.pad(x, (1, 1), value=0.5)
-    return dispatcher._IMPLICIT[0]
+    return flags.implicit()
 
 
 def test_decompositions_leave_plain_tensors_refused_afterwards(dist):

@@ -18,7 +18,7 @@ from shardwise import blocks
 from shardwise.compile import Packed, never_compiled, opaque, pack, tracing, unpack
 from shardwise.dispatch import dispatch
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import Placement, Replicate, Shard, as_placements
+from shardwise.placement import Placement, Replicate, as_placements
 from shardwise.redistribute.cross_mesh import check_same_ranks
 from shardwise.redistribute.function import FromLocal, Redistribute, ToLocal
 from shardwise.spec import DTensorSpec, TensorMeta, contiguous_stride, render_layout
@@ -274,6 +274,21 @@ class DTensor(torch.Tensor):
         if expected.placements == self._spec.placements:
             return self
         return self.redistribute(expected.mesh, expected.placements)
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def wrap_block(local_tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """``DTensor(local_tensor, spec, requires_grad=False)`` without the constructor's Python
+    frame and keyword parsing: how the dispatcher wraps every op's outputs (its hot path).
+    Keep in step with ``DTensor.__new__``."""
+    meta = spec.tensor_meta
+    self = _make_wrapper(DTensor, meta.shape, strides=meta.stride, dtype=meta.dtype,
+                         device=local_tensor.device, layout=local_tensor.layout, requires_grad=False)
+    self._local_tensor = local_tensor
+    self._spec = spec
+    return self
 
 
 # ---------------------------------------------------------------------- the conversions

@@ -92,6 +92,8 @@ class DTensorSpec:
     placements: tuple[Placement, ...]
     tensor_meta: TensorMeta | None = None
     _hash: int = field(default=0, init=False, repr=False, compare=False)
+    # This rank's (block shape, offset), computed on first use: view rewrites ask on every call.
+    _here: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         placements = _validated(self.mesh, self.placements, self.tensor_meta)
@@ -146,7 +148,16 @@ class DTensorSpec:
 
         A rank outside the mesh holds an empty block.
         """
-        coordinate = self.mesh.get_coordinate() if coordinate is None else coordinate
+        if coordinate is None:
+            here = self._here
+            if here is None:
+                here = self._block_here()
+                object.__setattr__(self, "_here", here)
+            return here
+        return local_shape_and_offset(self.shape, self.mesh.shape, coordinate, self.placements)
+
+    def _block_here(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        coordinate = self.mesh.get_coordinate()
         if coordinate is None:
             return (0,) * self.ndim, (0,) * self.ndim
         return local_shape_and_offset(self.shape, self.mesh.shape, coordinate, self.placements)

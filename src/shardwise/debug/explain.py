@@ -277,15 +277,15 @@ def _op_name(func: Any) -> str:
 # ---------------------------------------------------------------------- strategies
 def _strategy(entry: OpEntry, func: Any, args: tuple, kwargs: dict, dtensors: list, keep: int) -> None:
     """Fill ``entry.kind``, ``chosen`` and ``alternatives`` from the dispatcher's own propagation."""
-    from shardwise.dispatch import dispatcher
+    from shardwise.dispatch import dispatcher, propagation
 
     if not dtensors:
         entry.kind = "custom"
         return
     dispatcher._dtensor_cls()
     plan = dispatcher._propagate(func, args, kwargs, dtensors)
-    entry.kind = plan.action
-    if plan.action != "run":
+    entry.kind = plan.action.value
+    if plan.action is not propagation.Action.RUN:
         return
     specs = [dt._spec for dt in dtensors]
     outputs = [s for s in plan.output_specs]
@@ -322,7 +322,7 @@ def _candidates(func: Any, args: tuple, kwargs: dict, specs: list, num_outputs: 
     registration = registry.lookup(func)
     if registration is None:
         return [replicate_all(schema, num_outputs)]
-    if registration.kind == "rule":
+    if registration.kind is registry.Kind.RULE:
         candidates = [registration.fn(schema)]
     elif registration.per_axis:
         candidates = expand(registration.fn(schema), num_outputs, schema.mesh.ndim)

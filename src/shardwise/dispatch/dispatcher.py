@@ -13,14 +13,15 @@ lookup, the local op, and wrapping.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 
 from shardwise.compile import never_compiled
-from shardwise.dispatch import registry
-from shardwise.dispatch.propagation import OutputPlan, UnsupportedOp, propagate, with_layouts
+from shardwise.dispatch import flags, registry
+from shardwise.dispatch.cache import PLANS, registry_version
+from shardwise.dispatch.propagation import Action, OutputPlan, Returns, UnsupportedOp, propagate, with_layouts
 from shardwise.dispatch.strategy import OpSchema
 from shardwise.placement import Replicate
 from shardwise.redistribute.execute import redistribute_local
@@ -28,30 +29,35 @@ from shardwise.spec import DTensorSpec, TensorMeta, dtype_name
 
 __all__ = ["dispatch", "render_call", "clear_cache", "cache_info", "implicit_replication", "ImplicitScope", "CACHE_SIZE"]
 
-CACHE_SIZE = 4096
-_CACHE: OrderedDict = OrderedDict()
-_IMPLICIT = [False]
+CACHE_SIZE = 4096  # bound on the dispatcher's entries in the propagation cache
 _SIGN_ONLY = registry.SCALAR_SIGN_ONLY
 _PER_POSITION: set = set()  # ops whose DTensors may sit on different meshes (allow_mixed_meshes)
 _DTensor: type | None = None
+_wrap: Callable[[torch.Tensor, DTensorSpec], Any]
+_Tensor = torch.Tensor
+_OpOverload = torch._ops.OpOverload
+_inference_mode = torch.is_inference_mode_enabled
+_flags = flags.FLAGS.get  # the per-context flags: part of every cache key
+_cached = PLANS.get  # the lock-free read
 
 
 def _dtensor_cls() -> type:
-    global _DTensor
+    global _DTensor, _wrap
     if _DTensor is None:
-        from shardwise.dtensor import DTensor
+        from shardwise.dtensor import DTensor, wrap_block
 
+        _wrap = wrap_block
         _DTensor = DTensor
     return _DTensor
 
 
 def clear_cache() -> None:
-    """Forget every cached propagation (after registering a strategy, toggling the fallback)."""
-    _CACHE.clear()
+    """Forget every cached propagation (registering a strategy does it by itself)."""
+    PLANS.clear()
 
 
 def cache_info() -> dict[str, int]:
-    return {"size": len(_CACHE), "max": CACHE_SIZE}
+    return {"size": len(PLANS), "max": CACHE_SIZE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,21 +81,19 @@ class implicit_replication:
     results go wrong). 0-dim and one-element tensors are scalars and are always allowed (as
     replicated values), and so are autograd's zero gradients in backward. ``scope`` limits it
     (``loss_parallel`` uses one for plain labels); the setting is part of the dispatch cache
-    key, so a decision made inside never leaks outside.
+    key, so a decision made inside never leaks outside. It holds for the current context
+    only (its thread or asyncio task, see ``shardwise.dispatch.flags``).
     """
 
     def __init__(self, scope: ImplicitScope | None = None) -> None:
         self._scope = scope
+        self._tokens: list = []
 
     def __enter__(self) -> None:
-        self._before = _IMPLICIT[0]
-        if self._scope is None:
-            _IMPLICIT[0] = True
-        elif self._before is not True:
-            _IMPLICIT[0] = self._scope
+        self._tokens.append(flags.push_implicit(self._scope))
 
     def __exit__(self, *exc) -> None:
-        _IMPLICIT[0] = self._before
+        flags.pop(self._tokens.pop())
 
 
 # ---------------------------------------------------------------------- hot path
@@ -98,29 +102,100 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on DTensors: see the module docstring."""
     DTensor = _DTensor or _dtensor_cls()
     dtensors: list = []
-    coarse = func in _SIGN_ONLY
-    key = (func, _key(args, dtensors, DTensor, coarse),
-           _key(kwargs.values(), dtensors, DTensor, coarse) + tuple(kwargs) if kwargs else (), _IMPLICIT[0])
     try:
-        plan = _CACHE.get(key)
+        op = func._op  # an OpOverload's C++ handle: hashed in C (the overload's own hash is Python)
+    except AttributeError:
+        op = func
+    key = (op, _key(args, dtensors, DTensor, func),
+           _key(kwargs.values(), dtensors, DTensor, func) + tuple(kwargs) if kwargs else (), _flags())
+    try:
+        run = _cached(key)
     except TypeError:  # an unhashable argument: a symbolic size from torch.compile(dynamic=True)
         raise UnsupportedOp(f"{render_call(func, args, kwargs)}: {_SYMBOLIC}") from None
-    if plan is None:
-        plan = _with_positions(_propagate(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
-        _CACHE[key] = plan
-        while len(_CACHE) > CACHE_SIZE:  # "while": CACHE_SIZE may have been lowered
-            _CACHE.popitem(last=False)
-    else:
-        _CACHE.move_to_end(key)
-    if plan.action == "run":
-        return _run(func, args, kwargs, dtensors, plan)
-    if plan.action == "custom":
-        return plan.handler(func, args, kwargs)
+    if run is None:
+        run = _decide(key, func, args, kwargs, dtensors)
+    return run(func, args, kwargs, dtensors)
+
+
+def _decide(key: tuple, func, args: tuple, kwargs: dict, dtensors: list) -> Callable:
+    """The slow path: propagate, build the call's runner, cache it."""
+    version = registry_version()
+    plan = _with_positions(_propagate(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
+    run = _runner(func, plan)
+    PLANS.put(key, run, version, CACHE_SIZE)
+    return run
+
+
+def _runner(func, plan: OutputPlan) -> Callable:
+    """What a cache hit calls, ``run(func, args, kwargs, dtensors)``: specialized once per call
+    signature, so the hot path does not re-examine the plan on every call."""
+    if plan.action is Action.CUSTOM:
+        handler = plan.handler
+        return lambda func, args, kwargs, dtensors: handler(func, args, kwargs)
+    if plan.action is Action.DECOMPOSE:
+        return functools.partial(_run_decomposition, plan.handler)
+    if not plan.moves_inputs and plan.positions is not None and plan.returns in (Returns.WRAP, Returns.VIEW):
+        return _local_runner(func, plan)
+    return functools.partial(_run, plan)
+
+
+def _run_decomposition(handler: Callable, func, args: tuple, kwargs: dict, dtensors: list) -> Any:
     # A decomposition: its ops dispatch again. Plain tensors inside it can only be built from
     # global metadata (factories over global shapes, scalars read from DTensors), so every rank
     # builds the same ones: they are replicated values, and are taken as such.
     with implicit_replication():  # a fresh context each time: decompositions nest
-        return plan.handler(*args, **kwargs)
+        return handler(*args, **kwargs)
+
+
+def _single_tensor_output(func) -> bool:
+    returns = func._schema.returns
+    return len(returns) == 1 and isinstance(returns[0].type, torch.TensorType)
+
+
+def _local_runner(func, plan: OutputPlan) -> Callable:
+    """The common cases, as lean as a plain wrapper subclass: every DTensor a top-level
+    positional argument, no communication, new tensors or a view out (``_run`` does the rest)."""
+    call = func._op if type(func) is _OpOverload else func  # skips the overload's Python __call__
+    wrap, positions, specs, rewrite = _wrap, plan.positions, plan.output_specs, plan.rewrite
+    if rewrite is None and plan.returns is Returns.WRAP and _single_tensor_output(func) and specs and specs[0] is not None:
+        spec = specs[0]
+        if positions == (0,):
+            def run(func, args: tuple, kwargs: dict, dtensors: list) -> Any:
+                try:
+                    out = call(dtensors[0]._local_tensor, *args[1:], **kwargs)
+                except Exception as err:  # the op's own error on the blocks (a dim out of range, dtypes)
+                    raise with_layouts(err, render_call(func, args, kwargs)) from None
+                return wrap(out, spec)
+        else:
+            def run(func, args: tuple, kwargs: dict, dtensors: list) -> Any:
+                local_args = list(args)
+                for position, dt in zip(positions, dtensors):
+                    local_args[position] = dt._local_tensor
+                try:
+                    out = call(*local_args, **kwargs)
+                except Exception as err:
+                    raise with_layouts(err, render_call(func, args, kwargs)) from None
+                return wrap(out, spec)
+        return run
+    view = plan.returns is Returns.VIEW
+    single = specs[0] if _single_tensor_output(func) and specs and specs[0] is not None else None
+
+    def run_any(func, args: tuple, kwargs: dict, dtensors: list) -> Any:
+        local_args = list(args)
+        for position, dt in zip(positions, dtensors):
+            local_args[position] = dt._local_tensor
+        local_kwargs = kwargs
+        if rewrite is not None:
+            local_args, local_kwargs = rewrite(local_args, local_kwargs, specs)
+        try:
+            out = call(*local_args, **local_kwargs)
+        except Exception as err:
+            raise with_layouts(err, render_call(func, args, kwargs)) from None
+        if view and _inference_mode() and not args[0].is_inference():
+            return _repack_view(out, specs, args[0])
+        return wrap(out, single) if single is not None else _repack(out, specs)
+
+    return run_any
 
 
 _SYMBOLIC = ("symbolic (dynamic) shapes reached the DTensor dispatcher, which decides layouts for "
@@ -131,11 +206,11 @@ _SYMBOLIC = ("symbolic (dynamic) shapes reached the DTensor dispatcher, which de
 def _with_positions(plan: OutputPlan, func, args: tuple, kwargs: dict, count: int) -> OutputPlan:
     """Record where the DTensors sit when they are all top-level positional arguments (and mark
     the plans of view ops, see ``_repack_view``)."""
-    if plan.action != "run":
+    if plan.action is not Action.RUN:
         return plan
-    if plan.returns in ("wrap", "copied_view") and _returns_view(func, args):
-        view = "view_bits" if _may_conjugate(func, args[0], plan) else "view"
-        plan = dataclasses.replace(plan, returns=view if plan.returns == "wrap" else "copied_view_of")
+    if plan.returns in (Returns.WRAP, Returns.COPIED_VIEW) and _returns_view(func, args):
+        view = Returns.VIEW_BITS if _may_conjugate(func, args[0], plan) else Returns.VIEW
+        plan = dataclasses.replace(plan, returns=view if plan.returns is Returns.WRAP else Returns.COPIED_VIEW_OF)
     DTensor = _DTensor
     positions = tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
     if len(positions) != count:
@@ -143,19 +218,21 @@ def _with_positions(plan: OutputPlan, func, args: tuple, kwargs: dict, count: in
     return dataclasses.replace(plan, positions=positions)
 
 
-def _key(values, dtensors: list, DTensor: type, coarse: bool = False) -> tuple:
+def _key(values, dtensors: list, DTensor: type, func: Any = None) -> tuple:
     """Hashable summary of arguments: specs for DTensors, metadata for plain tensors, and
-    values for the rest (with ``coarse``, floats only by ``_float_class``)."""
+    values for the rest (floats only by ``_float_class`` when ``func``'s layouts depend on
+    their sign only)."""
     out = []
     for value in values:
         if isinstance(value, DTensor):
             dtensors.append(value)
             out.append(value._spec)
-        elif isinstance(value, torch.Tensor):
+        elif isinstance(value, _Tensor):
             out.append((value.dtype, value.shape, value.device.type))
         elif isinstance(value, (list, tuple)):
-            out.append(_key(value, dtensors, DTensor, coarse))
-        elif coarse and type(value) is float:
+            # A list of ints (a size, dims) is its own key; ATen never mixes ints and tensors in a list.
+            out.append(tuple(value) if value and type(value[0]) is int else _key(value, dtensors, DTensor, func))
+        elif type(value) is float and func in _SIGN_ONLY:
             out.append(_float_class(value))
         else:
             out.append(value)
@@ -167,8 +244,8 @@ def _float_class(value: float) -> tuple:
     return (float, (value > 0) - (value < 0) if value == value else 2, value == 1.0)
 
 
-def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> Any:
-    if plan.returns == "self" and getattr(args[0], "_copied_view", None):
+def _run(plan: OutputPlan, func, args: tuple, kwargs: dict, dtensors: list) -> Any:
+    if plan.returns is Returns.SELF and getattr(args[0], "_copied_view", None):
         raise RuntimeError(
             f"{render_call(func, args, kwargs)}: in-place write into {args[0]._copied_view}, whose "
             "input had to be redistributed, so it is a copy and the write would not reach the base "
@@ -199,19 +276,19 @@ def _run(func, args: tuple, kwargs: dict, dtensors: list, plan: OutputPlan) -> A
     except Exception as err:  # the op's own error on the blocks (a dim out of range, dtypes)
         raise with_layouts(err, render_call(func, args, kwargs)) from None
     returns = plan.returns
-    if returns == "wrap":
+    if returns is Returns.WRAP:
         return _repack(out, plan.output_specs)
-    if returns == "view":
+    if returns is Returns.VIEW:
         return _repack_view(out, plan.output_specs, args[0])
-    if returns == "view_bits":
+    if returns is Returns.VIEW_BITS:
         return _with_bits(_repack_view(out, plan.output_specs, args[0]), out)
-    if returns == "copied_view_of":
+    if returns is Returns.COPIED_VIEW_OF:
         return _mark_copied(_with_bits(_repack_view(out, plan.output_specs, args[0]), out), func)
-    if returns == "copied_view":
+    if returns is Returns.COPIED_VIEW:
         return _mark_copied(_repack(out, plan.output_specs), func)
-    if returns == "self":
+    if returns is Returns.SELF:
         return args[0]
-    return kwargs["out"] if returns == "out" else None
+    return kwargs["out"] if returns is Returns.OUT else None
 
 
 def _returns_view(func, args: tuple) -> bool:
@@ -232,7 +309,7 @@ def _repack_view(out: Any, specs: tuple, base: Any) -> Any:
     """``_repack`` for a view op. Under ``torch.inference_mode()`` a view of a normal tensor is a
     normal tensor (torch then shares the base's version counter with it, which an inference
     tensor has not): the wrapper is made outside inference mode in that case."""
-    if torch.is_inference_mode_enabled() and not base.is_inference():
+    if _inference_mode() and not base.is_inference():
         with torch.inference_mode(False):
             return _repack(out, specs)
     return _repack(out, specs)
@@ -271,17 +348,23 @@ def _swap(values, blocks) -> list:
 
 def _repack(out: Any, specs: tuple) -> Any:
     """Wrap local results in DTensors with the planned specs (one level of tuples/lists)."""
-    DTensor = _DTensor
     if not isinstance(out, (tuple, list)):
         spec = specs[0] if specs else None
-        return DTensor(out, spec, requires_grad=False) if spec is not None else out
-    index = iter(specs)
-
-    def wrap(item):
-        spec = next(index, None)
-        return DTensor(item, spec, requires_grad=False) if spec is not None and isinstance(item, torch.Tensor) else item
-
-    return type(out)(type(o)(wrap(x) for x in o) if isinstance(o, (tuple, list)) else wrap(o) for o in out)
+        return _wrap(out, spec) if spec is not None else out
+    count, i, items = len(specs), 0, []
+    for o in out:
+        if isinstance(o, (tuple, list)):
+            inner = []
+            for x in o:
+                spec = specs[i] if i < count else None
+                i += 1
+                inner.append(_wrap(x, spec) if spec is not None and isinstance(x, _Tensor) else x)
+            items.append(type(o)(inner))
+        else:
+            spec = specs[i] if i < count else None
+            i += 1
+            items.append(_wrap(o, spec) if spec is not None and isinstance(o, _Tensor) else o)
+    return type(out)(items)
 
 
 # ---------------------------------------------------------------------- slow path
@@ -292,15 +375,15 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
         raise UnsupportedOp(f"{describe()}: no DTensor argument")
     meshes = list(dict.fromkeys(dt._spec.mesh for dt in dtensors))
     if len(meshes) > 1 and func in _PER_POSITION:  # each position is its own op, on its own mesh
-        return OutputPlan("custom", handler=registry.lookup(func).fn)
+        return OutputPlan(Action.CUSTOM, handler=registry.lookup(func).fn)
     if len(meshes) > 1:
         raise ValueError(f"{describe()}: {_mixed_meshes(dtensors, meshes)}")
     mesh = meshes[0]
     query = _METADATA_QUERIES.get(func)
     if query is not None:
-        return OutputPlan("custom", handler=lambda f, a, k: query(*a, **k))
+        return OutputPlan(Action.CUSTOM, handler=lambda f, a, k: query(*a, **k))
     if _composite(func) and registry.lookup(func) is None:
-        return OutputPlan("custom", handler=_decompose)
+        return OutputPlan(Action.CUSTOM, handler=_decompose)
     plain = _plain_data(func, args, kwargs)
     unplaced = [(w, t) for w, t in plain if not _scalar_like(t)]
     if unplaced and not _allowed(func, unplaced):
@@ -312,7 +395,7 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
     schema = OpSchema(func, _specs_of(args, DTensor), tuple((k, v) for k, v in zip(kwargs, _specs_of(kwargs.values(), DTensor))), tuple(dt._spec for dt in dtensors))
     meta_args, meta_kwargs = _to_meta(args, DTensor), dict(zip(kwargs, _to_meta(kwargs.values(), DTensor)))
     plan = propagate(func, schema, tuple(meta_args), meta_kwargs, describe)
-    if plan.action == "run" and mesh.get_coordinate() is None:
+    if plan.action is Action.RUN and mesh.get_coordinate() is None:
         return _absent_plan(plan, func)
     return plan
 
@@ -333,11 +416,11 @@ def _absent_plan(plan: OutputPlan, func) -> OutputPlan:
         _key(kwargs.values(), dtensors, _DTensor)
         for i in plan.rebind:  # the mutated tensor takes its settled layout, as on the members
             dtensors[i]._spec = plan.input_specs[i]
-        if plan.returns == "self":
+        if plan.returns is Returns.SELF:
             return args[0]
-        if plan.returns == "out":
+        if plan.returns is Returns.OUT:
             return kwargs["out"]
-        if plan.returns == "none":
+        if plan.returns is Returns.NONE:
             return None
         device = dtensors[0]._local_tensor.device
         outs = [None if spec is None else _DTensor(_empty_block(spec, device), spec, requires_grad=False)
@@ -346,7 +429,7 @@ def _absent_plan(plan: OutputPlan, func) -> OutputPlan:
             return outs
         return outs[0] if len(returns) == 1 else tuple(outs)
 
-    return OutputPlan("custom", handler=handler)
+    return OutputPlan(Action.CUSTOM, handler=handler)
 
 
 def _empty_block(spec: DTensorSpec, device: torch.device) -> torch.Tensor:
@@ -421,7 +504,7 @@ def _plain_data(func, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor
 
 
 def _allowed(func, plain: list) -> bool:
-    implicit = _IMPLICIT[0]
+    implicit = flags.implicit()
     return implicit is True or bool(implicit and implicit.allows(func, [t for _, t in plain]))
 
 
@@ -446,7 +529,7 @@ def _StrictPlan(mesh) -> OutputPlan:
             "`with shardwise.implicit_replication():` to treat plain tensors as replicated"
         )
 
-    return OutputPlan("custom", handler=handler)
+    return OutputPlan(Action.CUSTOM, handler=handler)
 
 
 def _zero_filled(t: torch.Tensor) -> bool:
@@ -465,7 +548,7 @@ def _ImplicitPlan(mesh, scalars_only: bool = False) -> OutputPlan:
             wrap = lambda v: _as_replicate(v, mesh)  # noqa: E731
         return func(*_map_plain(args, wrap), **dict(zip(kwargs, _map_plain(kwargs.values(), wrap))))
 
-    return OutputPlan("custom", handler=handler)
+    return OutputPlan(Action.CUSTOM, handler=handler)
 
 
 def _as_replicate(t: torch.Tensor, mesh) -> Any:

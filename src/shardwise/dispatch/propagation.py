@@ -12,39 +12,63 @@ way back) and the result is written back into self's own block (``_write_back``)
 
 from __future__ import annotations
 
+import enum
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from shardwise.dispatch import registry
+from shardwise.dispatch import flags, registry
+from shardwise.dispatch.cache import bump_registry_version
+from shardwise.dispatch.flags import fallback_enabled
 from shardwise.dispatch.strategy import (
     Candidate, OpSchema, choose, count_specs, expand, partial_axes, pending_reduction, replicate_all,
 )
 from shardwise.spec import DTensorSpec, TensorMeta
 
 __all__ = [
-    "OutputPlan", "propagate", "UnsupportedOp", "fallback_enabled", "allow_replicate_fallback",
+    "Action", "Returns", "OutputPlan", "propagate", "UnsupportedOp", "fallback_enabled", "allow_replicate_fallback",
     "is_meta_limitation", "with_layouts",
 ]
+
+
+class Action(enum.Enum):
+    """What the dispatcher does for a call: see ``OutputPlan``."""
+
+    RUN = "run"
+    CUSTOM = "custom"
+    DECOMPOSE = "decompose"
+
+
+class Returns(enum.Enum):
+    """What a RUN call returns (``_returns`` and the dispatcher's ``_with_positions`` pick it)."""
+
+    WRAP = "wrap"  # new DTensors wrapping the local results
+    VIEW = "view"  # a view of the first argument (made outside inference mode if it is not an inference tensor)
+    VIEW_BITS = "view_bits"  # a view that may carry a lazy conjugate / negative bit
+    COPIED_VIEW = "copied_view"  # a view op that had to move its input: a copy, marked so writes fail loudly
+    COPIED_VIEW_OF = "copied_view_of"  # the same for a view of a DTensor argument
+    SELF = "self"  # the mutated first argument (in place)
+    OUT = "out"  # the out= argument
+    NONE = "none"  # nothing (an in-place op returning no tensor)
 
 
 @dataclass(frozen=True, slots=True)
 class OutputPlan:
     """What the dispatcher does for one call signature.
 
-    ``action`` is "run" (redistribute inputs to ``input_specs``, run locally, wrap outputs with
-    ``output_specs``), "custom" (call ``handler``) or "decompose" (call ``handler``, a
+    ``action`` is RUN (redistribute inputs to ``input_specs``, run locally, wrap outputs with
+    ``output_specs``), CUSTOM (call ``handler``) or DECOMPOSE (call ``handler``, a
     decomposition that re-enters dispatch).
     """
 
-    action: str
+    action: Action
     input_specs: tuple[DTensorSpec | None, ...] = ()
     output_specs: tuple[DTensorSpec | None, ...] = ()
     rewrite: Callable | None = None
     handler: Callable | None = None
-    returns: str = "wrap"  # "wrap" new DTensors, "self" / "out" the mutated argument, "none"
+    returns: Returns = Returns.WRAP
     moves_inputs: bool = False
     # Positions of the DTensors among the positional arguments, when that is all there is
     # (no DTensor inside a list or a keyword): lets the hot path swap blocks in directly.
@@ -58,37 +82,31 @@ class UnsupportedOp(NotImplementedError):
     """No sharding support for an op (the message says how to add it)."""
 
 
-_FALLBACK = [False]
 _WARNED: set = set()
-
-
-def fallback_enabled() -> bool:
-    return _FALLBACK[0]
 
 
 class allow_replicate_fallback:
     """Context manager (or ``allow_replicate_fallback.set(True)``): gather the inputs of ops
     without sharding support and run them replicated, warning once per op. Off by default:
-    silently gathering a large tensor is how distributed programs run out of memory."""
+    silently gathering a large tensor is how distributed programs run out of memory.
+
+    The context manager changes the current context only (its thread or task, see
+    ``shardwise.dispatch.flags``); ``set`` changes the process-wide default that contexts
+    without their own setting follow."""
+
+    def __init__(self) -> None:
+        self._tokens: list = []
 
     def __enter__(self) -> None:
-        self._before = _FALLBACK[0]
-        _set_fallback(True)
+        self._tokens.append(flags.push(fallback=True))
 
     def __exit__(self, *exc) -> None:
-        _set_fallback(self._before)
+        flags.pop(self._tokens.pop())
 
     @staticmethod
     def set(enabled: bool) -> None:
-        _set_fallback(enabled)
-
-
-def _set_fallback(enabled: bool) -> None:
-    if _FALLBACK[0] != enabled:
-        _FALLBACK[0] = enabled
-        from shardwise.dispatch.dispatcher import clear_cache
-
-        clear_cache()
+        if flags.set_fallback_default(enabled):
+            bump_registry_version()  # decisions made under the old default are keyed alike
 
 
 def propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, describe: Callable[[], str]) -> OutputPlan:
@@ -111,14 +129,14 @@ def propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, de
 def _propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, describe: Callable[[], str]) -> OutputPlan:
     special = registry.layout_handler(op, schema)
     if special is not None:
-        return OutputPlan("custom", handler=special)
+        return OutputPlan(Action.CUSTOM, handler=special)
     registration = registry.lookup(op)
-    if registration is not None and registration.kind == "custom":
-        return OutputPlan("custom", handler=registration.fn)
+    if registration is not None and registration.kind is registry.Kind.CUSTOM:
+        return OutputPlan(Action.CUSTOM, handler=registration.fn)
     if registration is None:
         decomposition = _decomposition(op)
         if decomposition is not None:
-            return OutputPlan("decompose", handler=decomposition)
+            return OutputPlan(Action.DECOMPOSE, handler=decomposition)
         if not fallback_enabled():
             _raise_if_op_rejects(op, meta_args, meta_kwargs, describe)
             raise UnsupportedOp(_unsupported_message(op, describe()))
@@ -133,14 +151,14 @@ def _propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, d
     else:
         candidate, write_back = _candidate(op, schema, registration, len(outputs), describe, outputs)
     plan = _plan(schema, candidate, outputs)
-    return OutputPlan("custom", handler=_write_back(plan)) if write_back else plan
+    return OutputPlan(Action.CUSTOM, handler=_write_back(plan)) if write_back else plan
 
 
 def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, describe,
                outputs: list = ()) -> tuple[Candidate, bool]:
     """The chosen layout, and whether the mutated ``self`` must be written back into its own
     layout after the op ran in another one (see ``_write_back``)."""
-    if registration.kind == "rule":
+    if registration.kind is registry.Kind.RULE:
         candidates = [registration.fn(schema)]
     elif registration.per_axis:
         candidates = expand(registration.fn(schema), num_outputs, schema.mesh.ndim)
@@ -176,7 +194,7 @@ def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, descri
 def _mutates_self_only(op: Any, schema: OpSchema) -> bool:
     """An in-place op proper: it writes its first argument (a DTensor), nothing else, and returns it."""
     return (_mutated_inputs(op) == [op._schema.arguments[0].name] and bool(schema.args)
-            and isinstance(schema.args[0], DTensorSpec) and _returns(schema, False) == "self")
+            and isinstance(schema.args[0], DTensorSpec) and _returns(schema, False) is Returns.SELF)
 
 
 def _mutated_layouts(op: Any, schema: OpSchema) -> str:
@@ -248,27 +266,27 @@ def _plan(schema: OpSchema, candidate: Candidate, outputs: list) -> OutputPlan:
         else:
             specs.append(None)
     moves = any(s is not None for s in inputs)
-    return OutputPlan("run", inputs, tuple(specs), candidate.rewrite, returns=_returns(schema, moves), moves_inputs=moves)
+    return OutputPlan(Action.RUN, inputs, tuple(specs), candidate.rewrite, returns=_returns(schema, moves), moves_inputs=moves)
 
 
-def _returns(schema: OpSchema, moves: bool) -> str:
+def _returns(schema: OpSchema, moves: bool) -> Returns:
     """What a call returns: new tensors, or the very argument it mutated (in place / out=).
 
-    "copied_view": a view op that had to move its input returns a copy, not a view; the
+    COPIED_VIEW: a view op that had to move its input returns a copy, not a view; the
     dispatcher marks it so an in-place write through it fails loudly instead of being lost.
     """
     returns = schema.op._schema.returns
     if moves and returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write:
-        return "copied_view"
+        return Returns.COPIED_VIEW
     if any(name == "out" for name, _ in schema.kwargs):
-        return "out"
+        return Returns.OUT
     arguments = schema.op._schema.arguments
     if arguments and arguments[0].alias_info is not None and arguments[0].alias_info.is_write:
         if not schema.op._schema.returns:
-            return "none"
+            return Returns.NONE
         if isinstance(schema.args[0], DTensorSpec):
-            return "self"
-    return "wrap"
+            return Returns.SELF
+    return Returns.WRAP
 
 
 def _is_view(op: Any) -> bool:

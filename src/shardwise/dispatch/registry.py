@@ -14,23 +14,34 @@ their own ops with ``register_sharding`` (per-axis candidates) or the decorators
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
+from shardwise.dispatch.cache import bump_registry_version
+
 __all__ = [
     "register_custom_handler", "register_strategy", "register_rule", "register_sharding",
-    "lookup", "Registration", "allow_plain_indices", "is_plain_index",
+    "lookup", "Registration", "Kind", "allow_plain_indices", "is_plain_index",
     "register_layout_handler", "layout_handler", "SCALAR_SIGN_ONLY", "scalars_matter_by_sign_only",
 ]
 
 
+class Kind(enum.Enum):
+    """Which registry an op lives in (see the module docstring)."""
+
+    CUSTOM = "custom handler"
+    STRATEGY = "strategy"
+    RULE = "rule"
+
+
 @dataclass(frozen=True, slots=True)
 class Registration:
-    """How one op is supported: ``kind`` is "custom", "strategy" or "rule"."""
+    """How one op is supported."""
 
-    kind: str
+    kind: Kind
     fn: Callable
     per_axis: bool = False
 
@@ -54,23 +65,23 @@ def _register(ops: Iterable[Any], registration: Registration, replace: bool) -> 
         existing = _REGISTRY.get(op)
         if existing is not None and not replace and existing.kind != registration.kind:
             raise ValueError(
-                f"{op} already has a sharding {existing.kind}; an op is registered in one place only"
+                f"{op} already has a sharding {existing.kind.value}; an op is registered in one place only"
             )
         _REGISTRY[op] = registration
     _invalidate_caches()
 
 
 def _invalidate_caches() -> None:
-    from shardwise.dispatch import dispatcher
-
-    dispatcher.clear_cache()
+    """Every change bumps the registry version, which empties the propagation cache (and keeps
+    a decision computed meanwhile out of it): see ``shardwise.dispatch.cache``."""
+    bump_registry_version()
 
 
 def register_custom_handler(*ops: Any, replace: bool = False) -> Callable:
     """Decorator: ``fn(op, args, kwargs) -> result`` handles the whole call for ``ops``."""
 
     def wrap(fn: Callable) -> Callable:
-        _register(ops, Registration("custom", fn), replace)
+        _register(ops, Registration(Kind.CUSTOM, fn), replace)
         return fn
 
     return wrap
@@ -85,7 +96,7 @@ def register_strategy(*ops: Any, per_axis: bool = True, replace: bool = False) -
     """
 
     def wrap(fn: Callable) -> Callable:
-        _register(ops, Registration("strategy", fn, per_axis), replace)
+        _register(ops, Registration(Kind.STRATEGY, fn, per_axis), replace)
         return fn
 
     return wrap
@@ -95,7 +106,7 @@ def register_rule(*ops: Any, replace: bool = False) -> Callable:
     """Decorator: ``fn(schema) -> Candidate`` computes the one layout for ``ops`` directly."""
 
     def wrap(fn: Callable) -> Callable:
-        _register(ops, Registration("rule", fn), replace)
+        _register(ops, Registration(Kind.RULE, fn), replace)
         return fn
 
     return wrap
@@ -119,7 +130,7 @@ def register_sharding(op: Any, *, replace: bool = True) -> Callable:
         def per_axis(schema):
             return [tuple(outs) + tuple(ins) for outs, ins in fn(schema)]
 
-        _register([op], Registration("strategy", per_axis, True), replace)
+        _register([op], Registration(Kind.STRATEGY, per_axis, True), replace)
         return fn
 
     return wrap

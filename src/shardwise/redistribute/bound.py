@@ -79,7 +79,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
-from shardwise.placement import Partial, Placement
+from shardwise.placement import Placement
 from shardwise.spec import local_shape_and_offset
 
 __all__ = ["Bound", "lower_bound", "blocks", "needs_value"]

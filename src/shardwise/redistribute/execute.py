@@ -30,7 +30,7 @@ __all__ = ["plan_for", "redistribute_local"]
 def plan_for(src: DTensorSpec, dst: DTensorSpec) -> Plan:
     """The (cached) plan taking a tensor laid out as ``src`` to ``dst``."""
     meta = src.tensor_meta
-    itemsize = torch.empty((), dtype=meta.dtype).element_size()
+    itemsize = meta.dtype.itemsize
     flattened = flattened_groups(src.mesh) if src.mesh.ndim > 1 else ()
     return plan_redistribute(meta.shape, itemsize, src.mesh.shape, src.placements, dst.placements, flattened)
 

@@ -6,6 +6,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from shardwise.dispatch.cache import PLANS
 from shardwise.dispatch.strategy import Candidate, OpSchema, choose
 from shardwise.placement import Placement, Replicate, Shard
 from shardwise.redistribute.execute import redistribute_local
@@ -72,20 +73,17 @@ def tensor_shapes(values: Any) -> list[tuple[int, ...]]:
 # ---------------------------------------------------------------------- custom handlers
 # Custom and layout handlers (losses, attention, vocab-parallel ops) choose a layout the way the
 # propagator does, then run local code around the op; these are their shared pieces.
-_PLANS: dict = {}
-
-
 def cached_choice(key: tuple, schema: OpSchema, make: Callable[[], list[Candidate]]) -> Candidate:
     """The cheapest of ``make()``'s candidates for ``schema``, cached under ``key`` (which must
-    determine the candidates: the op, the input specs and the relevant non-tensor arguments)."""
-    plan = _PLANS.get(key)
+    determine the candidates: the op, the input specs and the relevant non-tensor arguments)
+    in the propagation cache, so a registration invalidates it like every other decision."""
+    return PLANS.memo(("choice", key), lambda: _cheapest(schema, make()))
+
+
+def _cheapest(schema: OpSchema, candidates: list[Candidate]) -> Candidate:
+    plan = choose(schema, candidates)
     if plan is None:
-        plan = choose(schema, make())
-        if plan is None:
-            raise ValueError(f"{schema.op}: no valid layout")
-        if len(_PLANS) > 1024:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        raise ValueError(f"{schema.op}: no valid layout")
     return plan
 
 
@@ -106,6 +104,25 @@ def meta_of(value: Any) -> Any:
     if isinstance(value, (DTensorSpec, torch.Tensor)):
         return torch.empty(value.shape, dtype=value.dtype, device="meta")
     return value
+
+
+_DTENSOR: list = []  # [DTensor, wrap_block], imported on first use (shardwise.dtensor imports dispatch)
+
+
+def dtensor_cls() -> type:
+    """The DTensor class, without an import statement per call (handlers run per op)."""
+    if not _DTENSOR:
+        from shardwise.dtensor import DTensor, wrap_block
+
+        _DTENSOR[:] = [DTensor, wrap_block]
+    return _DTENSOR[0]
+
+
+def new_dtensor(local: torch.Tensor, spec: DTensorSpec) -> Any:
+    """``DTensor(local, spec, requires_grad=False)``, the fast way (``shardwise.dtensor.wrap_block``)."""
+    if not _DTENSOR:
+        dtensor_cls()
+    return _DTENSOR[1](local, spec)
 
 
 def make_spec(mesh: Any, placements: tuple[Placement, ...], meta: torch.Tensor) -> DTensorSpec:

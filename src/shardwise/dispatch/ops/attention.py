@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from shardwise.dispatch.cache import PLANS
 from shardwise.dispatch.ops._common import R, aten, broadcast_dim, cached_choice, localize, make_spec, meta_of
 from shardwise.dispatch.ops.norm import linear_partial_ops, spec_arguments
 from shardwise.dispatch.registry import register_custom_handler
@@ -128,9 +129,6 @@ def flash_backward(schema: OpSchema) -> list[Candidate]:
 
 
 # ---------------------------------------------------------------------- running the kernels
-_PLANS: dict = {}
-
-
 def _schema_of(op: Any, args: tuple, kwargs: dict) -> tuple[OpSchema, list[Any]]:
     """The call as the propagator sees it (specs in place of DTensors), and its DTensors."""
     from shardwise.dtensor import DTensor
@@ -176,11 +174,7 @@ def attention_handler(make: Callable[[OpSchema], list[Candidate]], like: tuple[s
         schema, dtensors = _schema_of(op, args, kwargs)
         key = (op, schema.args, schema.kwargs)
         plan = cached_choice(key, schema, lambda: make(schema))
-        specs = _PLANS.get(key)
-        if specs is None:
-            if len(_PLANS) > 1024:
-                _PLANS.clear()
-            specs = _PLANS[key] = _output_specs(schema, plan, like)
+        specs = PLANS.memo(("attention specs", key), lambda: _output_specs(schema, plan, like))
         blocks = localize(dtensors, plan)
         if any(b.numel() == 0 for b in blocks):  # the kernel cannot take empty heads
             outs = [torch.zeros(s.local_shape(), dtype=s.dtype, device=blocks[0].device)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from shardwise.dispatch.ops._common import R, aten
+from shardwise.dispatch.ops._common import R, aten, dtensor_cls, new_dtensor
 from shardwise.dispatch.registry import register_custom_handler
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, choose, expand
 from shardwise.placement import Partial, Placement, Shard
@@ -163,17 +163,12 @@ def _locals(dtensors: tuple, targets: tuple[DTensorSpec | None, ...]) -> list[to
     ]
 
 
-def _wrap(local: torch.Tensor, spec: DTensorSpec) -> Any:
-    from shardwise.dtensor import DTensor
-
-    return DTensor(local, spec, requires_grad=False)
-
-
 def _as_dtensors(first: Any, second: Any) -> tuple[Any, Any]:
     """Both arguments as DTensors: a plain tensor the dispatcher let through (a 0-dim index)
     is replicated on the other argument's mesh."""
-    from shardwise.dtensor import DTensor
-
+    DTensor = dtensor_cls()
+    if type(first) is DTensor and type(second) is DTensor:
+        return first, second
     mesh = first._spec.mesh if isinstance(first, DTensor) else second._spec.mesh
 
     def wrap(value: Any) -> Any:
@@ -193,14 +188,22 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
 @register_custom_handler(aten.embedding.default)
 def embedding_handler(op: Any, args: tuple, kwargs: dict) -> Any:
     """``embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)`` on DTensors."""
-    weight, indices = _as_dtensors(_arg(args, kwargs, 0, "weight", None), _arg(args, kwargs, 1, "indices", None))
+    if kwargs:
+        weight, indices = _arg(args, kwargs, 0, "weight", None), _arg(args, kwargs, 1, "indices", None)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("weight", "indices")}
+    else:  # the usual call: all positional
+        weight, indices = args[0], args[1]
+    weight, indices = _as_dtensors(weight, indices)
     plan = _embedding_plan(weight._spec, indices._spec)
-    w, idx = _locals((weight, indices), plan.inputs)
+    if plan.inputs == (None, None):
+        w, idx = weight._local_tensor, indices._local_tensor
+    else:
+        w, idx = _locals((weight, indices), plan.inputs)
     if plan.rows is None:
-        out = op(w, idx, *args[2:], **{k: v for k, v in kwargs.items() if k not in ("weight", "indices")})
+        out = op(w, idx, *args[2:], **kwargs)
     else:
         out = masked_lookup(w, idx, *plan.rows)
-    return _wrap(out, plan.output)
+    return new_dtensor(out, plan.output)
 
 
 @register_custom_handler(aten.embedding_dense_backward.default)
@@ -216,4 +219,4 @@ def embedding_dense_backward_handler(op: Any, args: tuple, kwargs: dict) -> Any:
         out = op(g, idx, num_weights, padding_idx, scale)
     else:
         out = masked_dense_backward(g, idx, *plan.rows, padding_idx, scale)
-    return _wrap(out, plan.output)
+    return new_dtensor(out, plan.output)

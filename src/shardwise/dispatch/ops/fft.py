@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.dispatch.ops._common import R, aten
+from shardwise.dispatch.ops._common import aten
 from shardwise.dispatch.ops.core_dims import aligned_axis_candidates, without_empty_blocks
 from shardwise.dispatch.registry import register_custom_handler, register_strategy
-from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
-from shardwise.placement import Shard
+from shardwise.dispatch.strategy import Candidate, OpSchema, expand
 
 
 @register_strategy(aten._fft_r2c.default, aten._fft_c2r.default, aten._fft_c2c.default, per_axis=False)

@@ -27,7 +27,6 @@ Boolean masks work for writes (``x[mask] = v``, ``index_put``) but not for reads
 
 from __future__ import annotations
 
-from numbers import Number
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
