@@ -115,7 +115,6 @@ class ParamGroup:
         if not self.params:
             return
         self.finish_reduce()
-        n = self.dp.world
         with torch.no_grad():
             grads = [p.unsharded_grad() for p in self.params]
             # each rank's shards, then one presence flag per parameter: [n * (per_rank + len(params))]
