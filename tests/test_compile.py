@@ -121,10 +121,11 @@ def test_trainer_model_compiled_per_block_matches_eager_and_one_device(dist):
 
 # ---------------------------------------------------------------------- the graph itself
 def _graph_collectives() -> dict:
-    """Collectives of one TP+SP step: counted in the captured forward/backward graphs, and
-    issued by eager shardwise (CommDebugMode); graph breaks of one block (torch._dynamo.explain)."""
-    from torch._dynamo.backends.common import aot_autograd
-
+    """Collectives of one TP+SP step: counted in the captured forward/backward graphs before
+    and after shardwise's communication pass (comm_schedule), and issued by eager shardwise
+    (CommDebugMode); graph breaks of one block (torch._dynamo.explain); then the bucketing of
+    independent small collectives in a compiled gradient reduction."""
+    from shardwise import comm_schedule
     from shardwise.debug import CommDebugMode
 
     world = dist.get_world_size()
@@ -132,13 +133,10 @@ def _graph_collectives() -> dict:
     mesh = dims.build_mesh("cpu")
     args = get_model_args("tiny")
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
-    graphs: dict[str, list] = {"forward": [], "backward": []}
+    censuses: dict[str, tuple] = {}
 
-    def capture(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind].append(gm)
-            return gm
-        return compiler
+    def inspect(kind, before, gm):
+        censuses[kind] = (before, comm_schedule.census(gm))
 
     torch._dynamo.reset()
     eager = _model(dims, mesh, True)
@@ -147,26 +145,49 @@ def _graph_collectives() -> dict:
         eager_loss = _step(block_only := _OneBlock(block, eager), tokens)
     eager_counts = dict(comm.get_comm_counts())
     compiled = _model(dims, mesh, True)
-    compiled.layers["0"].compile(backend=aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward")))
+    compiled.layers["0"].compile(backend=comm_schedule.backend("aot_eager", inspect=inspect))
     compiled_loss = _step(_OneBlock(compiled.layers["0"], compiled), tokens)
     gap = _grad_gap(compiled.layers["0"], eager.layers["0"])
-    counts = {}
-    for kind, gms in graphs.items():
-        found: dict[str, int] = {}
-        for gm in gms:
-            for node in gm.graph.nodes:
-                name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-                if node.op == "call_function" and name in _COLLECTIVES:
-                    found[_COLLECTIVES[name]] = found.get(_COLLECTIVES[name], 0) + 1
-        counts[kind] = found
+    graphs = {kind: before.counts for kind, (before, _) in censuses.items()}
+    optimized = {kind: (after.counts, before.overlap, after.overlap) for kind, (before, after) in censuses.items()}
     torch._dynamo.reset()
     fresh = _model(dims, mesh, True)
     x = fresh.tok_embeddings(tokens)
     explained = torch._dynamo.explain(fresh.layers["0"])(x, fresh.rotary)
     del block_only
-    return {"graphs": counts, "eager": eager_counts, "graph_count": explained.graph_count,
+    return {"graphs": graphs, "optimized": optimized, "eager": eager_counts, "graph_count": explained.graph_count,
             "losses": (eager_loss.item(), compiled_loss.item()), "grad_gap": gap,
-            "breaks": explained.graph_break_count, "reasons": [str(r.reason) for r in explained.break_reasons]}
+            "breaks": explained.graph_break_count, "reasons": [str(r.reason) for r in explained.break_reasons],
+            "bucketing": _bucketed_reduction(mesh)}
+
+
+def _reduce_partials(a, b, c, d):
+    """Four independent reductions of Partial values: two all_reduces, two reduce_scatters."""
+    return (a.redistribute(placements=[Replicate()]), b.redistribute(placements=[Replicate()]),
+            c.redistribute(placements=[Shard(0)]), d.redistribute(placements=[Shard(0)]))
+
+
+def _bucketed_reduction(mesh) -> dict:
+    """``_reduce_partials`` compiled with the communication pass: the collectives before and
+    after bucketing, eager's count, and the gap of the results to eager."""
+    from shardwise import comm_schedule
+    from shardwise.debug import CommDebugMode
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(10 + rank)
+    inputs = [DTensor.from_local(torch.randn(8, 3, generator=gen), mesh, [sw.Partial()]) for _ in range(4)]
+    _reduce_partials(*inputs)  # settles from_local's deferred agreement check (one all_reduce)
+    with CommDebugMode() as comm:
+        want = _reduce_partials(*inputs)
+    censuses = {}
+    torch._dynamo.reset()
+    fn = torch.compile(_reduce_partials, fullgraph=True,
+                       backend=comm_schedule.backend("aot_eager", inspect=lambda k, b, gm: censuses.update(
+                           {k: (b.counts, comm_schedule.census(gm).counts)})))
+    got = fn(*inputs)
+    gap = max((g.to_local() - w.to_local()).abs().max().item() for g, w in zip(got, want))
+    before, after = censuses["forward"]
+    return {"eager": dict(comm.get_comm_counts()), "before": before, "after": after, "gap": gap}
 
 
 class _OneBlock(nn.Module):
@@ -193,6 +214,19 @@ def test_tp_sp_block_compiles_to_one_graph_with_its_collectives(dist):
     # Every kind eager shardwise issues for the step is in the compiled graphs (the embedding
     # and output layers run eagerly around the block and issue the rest).
     assert set(graphs["forward"]) | set(graphs["backward"]) <= set(eager), (graphs, eager)
+    # The communication pass keeps every collective of the chain (none is independent of
+    # another) and moves independent compute between issue and wait: before it every wait
+    # follows its issue directly.
+    for kind, (counts, before, after) in result["optimized"].items():
+        assert counts == graphs[kind] and not any(before), (kind, counts, before)
+        assert len(after) == len(before) and all(a >= 0 for a in after), (kind, after)
+    assert sum(result["optimized"]["backward"][2]) >= 8 and result["optimized"]["backward"][2].count(0) == 0, result
+    # Independent small reductions are bucketed: eager issues 2 all_reduces + 2 reduce_scatters,
+    # the compiled graph one of each; the values are eager's.
+    bucketing = result["bucketing"]
+    assert bucketing["eager"] == {"all_reduce": 2, "reduce_scatter": 2}, bucketing
+    assert bucketing["before"] == bucketing["eager"] and bucketing["after"] == {"all_reduce": 1, "reduce_scatter": 1}, bucketing
+    assert bucketing["gap"] < 1e-6, bucketing
 
 
 # ---------------------------------------------------------------------- bad input
