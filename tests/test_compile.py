@@ -18,7 +18,7 @@ from shardwise import DTensor, Replicate, Shard
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from shardwise.parallel.parallel_dims import ParallelDims
 from shardwise.train.config import get_model_args
-from shardwise.train.parallelize import ParallelOptions, build_llama
+from shardwise.train.parallelize import ParallelOptions, build_llama, compile_backend
 
 _COLLECTIVES = {
     "all_gather_into_tensor": "all_gather",
@@ -105,7 +105,7 @@ def _trainer_model_gaps() -> dict:
         torch._dynamo.reset()
         mesh = dims.build_mesh("cpu")
         eager, compiled = _model(dims, mesh, sp), _model(dims, mesh, sp)
-        _compile_blocks(compiled, "aot_eager")
+        _compile_blocks(compiled, compile_backend("aot_eager+comm"))  # with the communication pass
         out[name] = (single, _step(eager, tokens).item(), _step(compiled, tokens).item(), _grad_gap(compiled, eager),
                      _grad_gap(compiled, one))
     return out

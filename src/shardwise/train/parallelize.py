@@ -218,7 +218,21 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     collectives become one graph; FSDP's and DDP's hooks run eagerly at its boundaries.
     Shapes are static (``dynamic=False``): layouts are decided per shape at trace time."""
     for block in model.layers.values():
-        block.compile(backend=backend, dynamic=False)
+        block.compile(backend=compile_backend(backend), dynamic=False)
+
+
+def compile_backend(name: str) -> Any:
+    """What ``torch.compile`` takes for a backend name: the name itself, or for "<base>+comm"
+    the backend ``base`` with shardwise's communication pass (bucketing and overlap, see
+    ``shardwise.comm_schedule``) over every compiled graph."""
+    base, plus, extra = name.partition("+")
+    if not plus:
+        return name
+    if extra != "comm":
+        raise ValueError(f"compile backend {name!r}: the only suffix is '+comm'")
+    from shardwise import comm_schedule
+
+    return comm_schedule.backend(base)
 
 
 # ---------------------------------------------------------------------- activation checkpointing
