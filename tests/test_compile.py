@@ -249,3 +249,39 @@ def test_an_error_under_compile_is_the_eager_error(dist):
     # Dynamo wraps the error (and repr-escapes its quotes); the eager text is inside it.
     core = eager[0].strip().splitlines()[-1].split(": ", 1)[-1].split("'")[0]
     assert len(core) > 20 and all(core in message for message in compiled), (core, compiled[0][-400:])
+
+
+# ---------------------------------------------------------------------- loss_parallel
+def _vocab_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from shardwise.parallel import loss_parallel
+
+    with loss_parallel():
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+
+
+def _loss_parallel_gaps() -> dict:
+    """Cross entropy on vocabulary-sharded logits under loss_parallel, eager and compiled:
+    loss and gradient gaps to one device."""
+    from shardwise.parallel import loss_parallel
+
+    mesh = sw.init_device_mesh("cpu", (dist.get_world_size(),))
+    gen = torch.Generator().manual_seed(4)
+    full, labels = torch.randn(2, 4, 8, generator=gen), torch.randint(0, 8, (2, 4), generator=gen)
+    ref = full.clone().requires_grad_()
+    want = F.cross_entropy(ref.flatten(0, 1), labels.flatten(0, 1))
+    want.backward()
+    torch._dynamo.reset()
+    out = {}
+    for name, fn in (("eager", _vocab_loss), ("compiled", torch.compile(_vocab_loss, backend="aot_eager"))):
+        logits = sw.distribute_tensor(full, mesh, [Shard(-1)]).requires_grad_()
+        loss = fn(logits, labels)
+        with loss_parallel():
+            loss.backward()
+        out[name] = ((_full(loss) - want).abs().item(), (logits.grad.full_tensor() - ref.grad).abs().max().item())
+    return out
+
+
+def test_loss_parallel_inside_a_compiled_function_equals_one_device(dist):
+    for gaps in dist.run(2, _loss_parallel_gaps, timeout=600):
+        for name, (loss_gap, grad_gap) in gaps.items():
+            assert loss_gap < 1e-6 and grad_gap < 1e-6, (name, loss_gap, grad_gap)
