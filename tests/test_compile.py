@@ -95,7 +95,10 @@ def _layouts() -> dict:
 
 
 def _trainer_model_gaps() -> dict:
-    """Per layout: losses (one device, eager, compiled) and the compiled-vs-eager gradient gap."""
+    """Per layout: losses (one device, eager, compiled), the compiled-vs-eager gradient gap, and
+    the parameter all_gathers of an eager step (with the number of blocks)."""
+    from shardwise.debug import CommDebugMode
+
     args = get_model_args("tiny")
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
     one = _model(ParallelDims(world_size=1), None, False)
@@ -106,14 +109,20 @@ def _trainer_model_gaps() -> dict:
         mesh = dims.build_mesh("cpu")
         eager, compiled = _model(dims, mesh, sp), _model(dims, mesh, sp)
         _compile_blocks(compiled, compile_backend("aot_eager+comm"))  # with the communication pass
-        out[name] = (single, _step(eager, tokens).item(), _step(compiled, tokens).item(), _grad_gap(compiled, eager),
-                     _grad_gap(compiled, one))
+        with CommDebugMode() as comm:
+            eager_loss = _step(eager, tokens).item()
+        gathers = sum(1 for r in comm.records if r.kind == "all_gather" and r.mesh.axis_name(r.axis) == "dp_shard")
+        out[name] = (single, eager_loss, _step(compiled, tokens).item(), _grad_gap(compiled, eager),
+                     _grad_gap(compiled, one), gathers, len(eager.layers))
     return out
 
 
 def test_trainer_model_compiled_per_block_matches_eager_and_one_device(dist):
     for result in dist.run(4, _trainer_model_gaps, timeout=600):
-        for name, (single, eager, compiled, gap, gap_one) in result.items():
+        for name, (single, eager, compiled, gap, gap_one, gathers, blocks) in result.items():
+            # Forward gathers the root and every block; backward only the blocks that were freed
+            # after forward: all but the last (the root keeps its parameters, as torch's FSDP2).
+            assert gathers == 1 + blocks + (blocks - 1), (name, gathers, blocks)
             assert abs(compiled - eager) <= 1e-6 * abs(eager), (name, compiled, eager)
             assert abs(compiled - single) <= 1e-5 * abs(single), (name, compiled, single)
             assert gap < 1e-6 and gap_one < 1e-4, (name, gap, gap_one)
