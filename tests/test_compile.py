@@ -294,3 +294,37 @@ def test_loss_parallel_inside_a_compiled_function_equals_one_device(dist):
     for gaps in dist.run(2, _loss_parallel_gaps, timeout=600):
         for name, (loss_gap, grad_gap) in gaps.items():
             assert loss_gap < 1e-6 and grad_gap < 1e-6, (name, loss_gap, grad_gap)
+
+
+# ---------------------------------------------------------------------- the overlap pass alone
+def _two_collective_graph():
+    """x @ w is all_reduced; relu(w) and its square do not need the reduction; the second
+    all_reduce needs the first one's result plus the square."""
+    import torch.fx as fx
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    a = g.call_function(aten.mm.default, (x, w), name="a")
+    b = g.call_function(aten.relu.default, (w,), name="b")
+    c1 = g.call_function(c10d.all_reduce.default, (a, "sum", "0"), name="c1")
+    w1 = g.call_function(c10d.wait_tensor.default, (c1,), name="w1")
+    d = g.call_function(aten.mul.Tensor, (b, b), name="d")
+    e = g.call_function(aten.add.Tensor, (w1, d), name="e")
+    c2 = g.call_function(c10d.all_reduce.default, (e, "sum", "0"), name="c2")
+    w2 = g.call_function(c10d.wait_tensor.default, (c2,), name="w2")
+    f = g.call_function(aten.neg.default, (b,), name="f")
+    g.output((w2, f))
+    return g
+
+
+def test_overlap_pass_issues_early_and_waits_late():
+    from shardwise import comm_schedule
+
+    g = _two_collective_graph()
+    before = comm_schedule.census(g)
+    comm_schedule.overlap_collectives(g)
+    after = comm_schedule.census(g)
+    assert [n.name for n in g.nodes] == ["x", "w", "a", "c1", "b", "d", "w1", "e", "c2", "f", "w2", "output"]
+    assert before.counts == after.counts == {"all_reduce": 2}
+    assert before.overlap == [0, 0] and after.overlap == [2, 1]

@@ -94,6 +94,7 @@ class CommCensus:
 
 
 def census(gm: fx.GraphModule | fx.Graph) -> CommCensus:
+    """The collectives of ``gm`` by kind, and the compute between each one's issue and wait."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     nodes = list(graph.nodes)
     compute_before = [0]
@@ -121,7 +122,6 @@ def bucket_collectives(gm: fx.GraphModule, bucket_cap_mb: float = 25.0) -> None:
     one collective over the concatenated inputs, split back into the original results. They
     need tensor metadata on the nodes (``node.meta["val"]``), which AOTAutograd's graphs have."""
     from torch._inductor.fx_passes import bucketing
-    from torch.fx.passes.graph_transform_observer import GraphTransformObserver  # noqa: F401 (import check)
 
     def cap(_bucket: int) -> float:
         return bucket_cap_mb
@@ -154,7 +154,8 @@ def overlap_collectives(gm: fx.GraphModule | fx.Graph) -> None:
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):  # the signature stays as it is
             order.append(node)
-        elif not is_collective(node):
+            continue
+        if not is_collective(node):
             pending.append(node)
             continue
         needed = _ancestors_among(node, set(pending))
