@@ -300,7 +300,7 @@ def test_loss_parallel_inside_a_compiled_function_equals_one_device(dist):
 def _two_collective_graph():
     """x @ w is all_reduced; relu(w) and its square do not need the reduction; the second
     all_reduce needs the first one's result plus the square."""
-    import torch.fx as fx
+    from torch import fx
 
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
     g = fx.Graph()

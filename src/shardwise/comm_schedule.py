@@ -26,13 +26,14 @@ in local compute (uneven shards).
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
-__all__ = ["CommCensus", "backend", "census", "optimize_communication", "bucket_collectives", "overlap_collectives"]
+__all__ = ["CommCensus", "backend", "bucket_collectives", "census", "optimize_communication", "overlap_collectives"]
 
 _FUNCTIONAL = torch.ops._c10d_functional
 # Functional collective ops by the kind CommDebugMode calls them.
