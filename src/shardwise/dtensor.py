@@ -38,6 +38,7 @@ class DTensor(torch.Tensor):
     __slots__ = ("_local_tensor", "_spec")
 
     @staticmethod
+    @never_compiled  # built by eager code that a compiled frame calls back (a with-block run eagerly)
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> "DTensor":
         meta = spec.tensor_meta
         self = torch.Tensor._make_wrapper_subclass(

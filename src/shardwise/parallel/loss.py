@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.compile import eager_only
 from shardwise.dispatch.dispatcher import ImplicitScope, implicit_replication
 
 __all__ = ["loss_parallel"]
@@ -32,7 +33,18 @@ _LOSS_SCOPE = ImplicitScope(
 )
 
 
+class _LossParallel(implicit_replication):
+    """``implicit_replication`` for the loss ops, entered and left eagerly under torch.compile.
+
+    The setting is read by the dispatcher when AOTAutograd traces the ops; Dynamo would only
+    simulate it while capturing (and the ops in the block would be traced without it), so the
+    context is a graph break: the code inside is compiled with the setting in force."""
+
+    __enter__ = eager_only(implicit_replication.__enter__)
+    __exit__ = eager_only(implicit_replication.__exit__)
+
+
 def loss_parallel() -> implicit_replication:
     """Context manager: plain labels (and integer/bool tensors computed from them, such as the
     ignore mask of label smoothing) and the loss ops' class weights count as replicated."""
-    return implicit_replication(_LOSS_SCOPE)
+    return _LossParallel(_LOSS_SCOPE)

@@ -126,7 +126,7 @@ CONFIG_NOTES: dict[str, str] = {
 }
 
 
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "inductor+comm", "aot_eager+comm")  # +comm: comm_schedule
 
 
 def params_label(count: int) -> str:
@@ -171,7 +171,9 @@ class JobConfig:
         mixed_precision: bf16 parameters and activations, fp32 gradient reduction.
         compile: ``torch.compile`` each transformer block after parallelizing it (the block's
             ops and collectives become one graph; data-parallel hooks run between graphs).
-        compile_backend: the ``torch.compile`` backend for ``compile`` (inductor, aot_eager, eager).
+        compile_backend: the ``torch.compile`` backend for ``compile`` (inductor, aot_eager, eager;
+            "inductor+comm" / "aot_eager+comm" also bucket and overlap the collectives of each
+            compiled block, see ``shardwise.comm_schedule``).
         device: "cpu", "cuda", or "auto" (cuda when available).
         log_every: steps between progress lines.
         plot: write the loss curve to this PNG file.

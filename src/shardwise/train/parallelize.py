@@ -270,7 +270,21 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     collectives become one graph; FSDP's and DDP's hooks run eagerly at its boundaries.
     Shapes are static (``dynamic=False``): layouts are decided per shape at trace time."""
     for block in model.layers.values():
-        block.compile(backend=backend, dynamic=False)
+        block.compile(backend=compile_backend(backend), dynamic=False)
+
+
+def compile_backend(name: str) -> Any:
+    """What ``torch.compile`` takes for a backend name: the name itself, or for "<base>+comm"
+    the backend ``base`` with shardwise's communication pass (bucketing and overlap, see
+    ``shardwise.comm_schedule``) over every compiled graph."""
+    base, plus, extra = name.partition("+")
+    if not plus:
+        return name
+    if extra != "comm":
+        raise ValueError(f"compile backend {name!r}: the only suffix is '+comm'")
+    from shardwise import comm_schedule
+
+    return comm_schedule.backend(base)
 
 
 # ---------------------------------------------------------------------- activation checkpointing
@@ -307,7 +321,8 @@ def apply_fsdp(model: nn.Module, dp_mesh, mixed_precision: bool, api: ParallelAP
 
     Each block is its own unit (its parameters are gathered just before it runs and freed
     after); the root unit holds the embedding, final norm and output. The last block keeps its
-    parameters after forward, since backward needs them first.
+    parameters after forward, since backward needs them first, and so does the root (its
+    output layer runs first in backward), as torch's FSDP2 does for a root left at its default.
     """
     api = api or shardwise_api()
     fully_shard, MixedPrecisionPolicy = api.fully_shard, api.MixedPrecisionPolicy
@@ -316,7 +331,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, mixed_precision: bool, api: ParallelAP
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
 
 
 def apply_ddp(model: nn.Module, dp_mesh, api: ParallelAPI | None = None) -> None:
