@@ -91,8 +91,20 @@ class ParamGroup:
                 mine = comm.all_reduce(mine, self.dp.mesh, self.dp.replicate_axis, "avg")
             # A parameter no rank produced a gradient for keeps grad None, as on one device (an
             # optimizer then skips it); one that some rank used gets the average, zeros included.
-            present = (mine[per_rank:] > 0).tolist()
+            present = _presence(mine[per_rank:], grads)
             for p, shard, used in zip(self.params, self.layout.unpack_shards(mine[:per_rank], self.dp.rank), present):
                 if p.requires_grad and used:
                     p.accumulate_sharded_grad(shard)
                 p.clear_unsharded_grad()
+
+
+def _presence(flags: torch.Tensor, grads: list) -> list[bool]:
+    """Which parameters some rank produced a gradient for (the reduced presence flags).
+
+    On the meta device (a simulated step, ``shardwise.simulate``) the flags hold no data: every
+    rank is taken to produce the gradients this rank produced, as in any program all ranks run alike.
+    """
+    if flags.is_meta:
+        return [g is not None for g in grads]
+    return (flags > 0).tolist()
+
