@@ -207,6 +207,7 @@ class JobConfig:
     resume: bool = False
     stop_after: int | None = None
     collective_timeout: float = 120.0
+    simulate: bool = False  # --simulate: no workers, one process simulates every rank (shardwise.simulate)
 
     # ------------------------------------------------------------------ derived values
     def model_args(self) -> ModelArgs:
