@@ -44,7 +44,7 @@ def test_simulate_matches_real_runs(dist):
     from shardwise.simulate import simulate_job
     from shardwise.train.config import JobConfig
 
-    real = dist.run(4, _real, (LAYOUTS,), timeout=300)[0]
+    real = dist.run(4, _real, LAYOUTS, timeout=300)[0]
     for name, degrees in LAYOUTS.items():
         simulated = simulate_job(JobConfig(**JOB, **degrees)).per_rank
         assert [m.rank for m in simulated] == [0, 1, 2, 3]

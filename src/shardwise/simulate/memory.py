@@ -11,6 +11,12 @@ what lets a simulated step (``shardwise.simulate``) and a real CPU step report t
 the bytes of live tensor storage, not what an allocator rounds them to or what the process
 holds besides (CUDA runs report ``torch.cuda.max_memory_allocated`` next to it).
 
+A storage is counted from the op that allocates it: outputs of views and in-place ops (which
+return their input's storage) add nothing. So storage a process-group backend allocates
+itself and only views through ops (gloo stages its reductions on CPU that way) is not
+counted: it is the backend's working memory, as NCCL's buffers are on GPU, and a simulated
+collective has none.
+
 Tensor subclasses (DTensor) are let through: the mode counts the plain local blocks their
 handlers produce, so a DTensor's bytes are its block's bytes on this rank.
 """
@@ -87,10 +93,11 @@ class MemoryTracker(TorchDispatchMode):
         if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):
             return NotImplemented  # a subclass's handler runs, its local ops come back here
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-        self._observe()
+        if _allocates(func):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._add(t)
+            self._observe()
         return out
 
     def __enter__(self) -> "MemoryTracker":
@@ -108,6 +115,17 @@ class MemoryTracker(TorchDispatchMode):
     def __exit__(self, *exc) -> None:
         torch.UntypedStorage.resize_ = self._orig_resize
         super().__exit__(*exc)
+
+
+_ALLOCATES: dict = {}
+
+
+def _allocates(func) -> bool:
+    """Whether ``func`` returns fresh storage (no return aliases an input: not a view, not in place)."""
+    known = _ALLOCATES.get(func)
+    if known is None:
+        known = _ALLOCATES[func] = all(r.alias_info is None for r in func._schema.returns)
+    return known
 
 
 def _block(t: torch.Tensor) -> torch.Tensor:
