@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: --nproc)")
     p.add_argument("--max-cp", type=int, default=1, help="largest context-parallel degree considered")
+    p.add_argument("--activation-checkpointing", action="store_true", help="plan with recomputed block activations")
+    p.add_argument("--mixed-precision", action="store_true", help="plan with bf16 parameters and activations")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--show-dropped", action="store_true", help="list every dropped layout with its reason")
     return p
@@ -82,12 +84,20 @@ def main(argv: list[str] | None = None) -> int:
             dropped.append((cand, why))
             continue
         job = JobConfig(config=ns.config, nproc=ns.nproc, global_batch=batch, seq_len=ns.seq_len, device="cpu",
+                        activation_checkpointing=ns.activation_checkpointing, mixed_precision=ns.mixed_precision,
                         **cand.degrees())
-        plan = price(cand, simulated_cost(job, args.n_layers), hw, ns.gpus_per_node, flops, ns.nproc)
+        try:
+            cost = simulated_cost(job, args.n_layers)
+        except Exception as err:  # a layout the simulation cannot run is reported, not fatal
+            dropped.append((cand, f"simulation failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"))
+            continue
+        plan = price(cand, cost, hw, ns.gpus_per_node, flops, ns.nproc)
         if plan.dropped:
             dropped.append((cand, plan.dropped))
         plans.append(plan)
     ranked = rank_plans(plans)
+    extra = "".join(f" --{f}" for f, on in (("activation-checkpointing", ns.activation_checkpointing),
+                                            ("mixed-precision", ns.mixed_precision)) if on)
     print(f"{PROG}: {len(plans)} valid layouts simulated in {time.perf_counter() - started:.0f} s, "
           f"{len(ranked)} fit, {len(dropped)} dropped")
     print("overlap: data-parallel traffic (dp_shard, dp_replicate) hides under compute; tp/cp traffic does not")
@@ -96,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{i}. step {p.step_s:.2f} s (compute {p.compute_s:.2f} s; {comm or 'no communication'}); "
               f"peak {p.cost.peak_memory_bytes / 2**30:.1f} GiB/GPU")
         print(f"   python -m shardwise.train --config {ns.config} --nproc {ns.nproc} {p.candidate.flags()} "
-              f"--global-batch {batch} --seq-len {ns.seq_len}")
-    shown = dropped if ns.show_dropped else [d for d in dropped if "GiB" in d[1]][:5]
+              f"--global-batch {batch} --seq-len {ns.seq_len}{extra}")
+    shown = dropped if ns.show_dropped else [d for d in dropped if "GiB" in d[1] or "simulation" in d[1]][:6]
     for cand, why in shown:
         print(f"   dropped {cand.flags()}: {why}")
     return 0 if ranked else 1

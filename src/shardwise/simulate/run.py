@@ -11,7 +11,8 @@ bytes). A real run with ``--metrics-file`` measures its second step with the sam
 Assumptions, where a real step's behaviour depends on values: every embedding row lookup may
 fall in any rank's block (meta tensors have no indices; boolean masks keep every element, an
 upper bound on a transient of the vocabulary-parallel embedding's backward), and every rank
-produces a gradient for every parameter it uses.
+produces a gradient for every parameter it uses. Mixed precision without FSDP (torch.autocast,
+which does not act on meta tensors) is simulated in fp32: an upper bound.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
         dims = job.parallel_dims()
         world_mesh = dims.build_mesh("cpu")
         flat = DeviceMesh("cpu", list(range(job.nproc)), mesh_dim_names=("world",))
-        runtime = Runtime(torch.device("meta"), rank, job.nproc, dims, world_mesh, flat)
+        # The runtime's device is the job's kind (autocast needs one); the blocks stay on meta.
+        runtime = Runtime(torch.device("cpu"), rank, job.nproc, dims, world_mesh, flat)
         sw_random.manual_seed(job.seed)
         model = build_model(job, runtime, materialize=False)
         optimizer = build_optimizer(job, model)
