@@ -170,6 +170,9 @@ def worker() -> int:
     """The per-rank entry point (under a launcher, or the only process)."""
     try:
         job = job_from_argv(sys.argv[1:])
+        if job.simulate:
+            raise ConfigError("--simulate starts no workers and plays every rank in one process: run it without a "
+                              "launcher (python -m shardwise.train ... --simulate --nproc N)")
         with _run_lock(job):
             return _run(job)
     except (ConfigError, RunLockError) as err:
