@@ -76,3 +76,21 @@ def test_simulated_world_refuses_a_bad_rank():
     with pytest.raises(ValueError, match="rank 4"):
         with simulated_world(4, 4):
             pass
+
+
+def test_simulate_cli_writes_per_rank_metrics(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "sim.json"
+    run = subprocess.run([sys.executable, "-m", "shardwise.train", "--simulate", "--nproc", "4", "--dp-shard", "2",
+                          "--tp", "2", "--config", "tiny", "--device", "cpu", "--metrics-file", str(out)],
+                         capture_output=True, text=True, timeout=240, env=os.environ)
+    assert run.returncode == 0, run.stderr
+    assert "0-3" in run.stdout and "dp_shard" in run.stdout and "tp" in run.stdout
+    per_rank = json.loads(out.read_text())["per_rank"]
+    assert [r["rank"] for r in per_rank] == [0, 1, 2, 3]
+    assert all(r["comm_bytes_per_step"] > 0 and r["peak_memory_bytes"] > r["param_bytes"] > 0 for r in per_rank)
+    assert set(per_rank[0]["comm_bytes_by_axis"]) == {"dp_shard", "tp"}
