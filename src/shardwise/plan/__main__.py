@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: --nproc)")
     p.add_argument("--max-cp", type=int, default=1, help="largest context-parallel degree considered")
+    p.add_argument("--max-replicate", type=int, default=None,
+                   help="largest dp_replicate considered (each layout is one simulation: fewer is faster)")
     p.add_argument("--activation-checkpointing", action="store_true", help="plan with recomputed block activations")
     p.add_argument("--mixed-precision", action="store_true", help="plan with bf16 parameters and activations")
     p.add_argument("--top", type=int, default=5)
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     for cand, why in candidates(ns.nproc, args.n_heads, args.n_kv_heads, batch, ns.seq_len, ns.gpus_per_node):
         if why is None and cand.cp > ns.max_cp:
             why = f"cp {cand.cp} > --max-cp {ns.max_cp}"
+        if why is None and ns.max_replicate is not None and cand.dp_replicate > ns.max_replicate:
+            why = f"dp_replicate {cand.dp_replicate} > --max-replicate {ns.max_replicate}"
         if why is not None:
             dropped.append((cand, why))
             continue
