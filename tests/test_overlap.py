@@ -213,7 +213,7 @@ _HOT = ["dispatch", "redistribute", "fsdp", "parallel/style.py", "parallel/prepa
 _HOST_READS = {"item", "tolist", "cpu", "numpy"}
 _ALLOWED = {
     # only when some parameter has no gradient on this rank: the flags say whether any rank had one
-    ("fsdp/group.py", "present = [True] * len(self.params) if everywhere else (mine[per_rank:] > 0).tolist()"),
+    ("fsdp/group.py", "return (flags > 0).tolist()"),
     # a plain tensor mixed with DTensors inside backward: allowed only if it is all zeros (error path)
     ("dispatch/dispatcher.py", "return t.is_meta or t.numel() == 0 or not bool(t.any())"),
     # SequenceParallel's check that plain inputs differ across ranks: the first call only

@@ -18,6 +18,7 @@ from shardwise import blocks
 from shardwise.compile import Packed, never_compiled, opaque, pack, tracing, unpack
 from shardwise.dispatch import dispatch
 from shardwise.mesh import DeviceMesh
+from shardwise.meta_step import META_STEP
 from shardwise.placement import Placement, Replicate, as_placements
 from shardwise.redistribute.cross_mesh import check_same_ranks
 from shardwise.redistribute.function import FromLocal, Redistribute, ToLocal
@@ -339,7 +340,7 @@ def _redistribute(dtensor: DTensor, device_mesh: Packed, placements: Packed,
 @opaque
 def _full_tensor(dtensor: DTensor, grad_placements: Packed) -> torch.Tensor:
     spec = dtensor._spec
-    if dtensor._local_tensor.is_meta:
+    if dtensor._local_tensor.is_meta and not META_STEP.get():
         raise ValueError(
             f"full_tensor() of the meta DTensor {spec.render()} on {spec.mesh}: a meta tensor "
             "has no data to gather. Materialize it first (module.to_empty(device=...) and initialize the "

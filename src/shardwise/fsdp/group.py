@@ -119,17 +119,19 @@ class ParamGroup:
             grads = [p.unsharded_grad() for p in self.params]
             # each rank's shards, then one presence flag per parameter: [n * (per_rank + len(params))]
             full = self.layout.pack_grads(grads, self.reduce_dtype, presence=True)
-            everywhere = all(g is not None for p, g in zip(self.params, grads) if p.requires_grad)
+            local = [g is not None for g in grads]
+            everywhere = all(has for p, has in zip(self.params, local) if p.requires_grad)
             del grads
             for p in self.params:
                 p.clear_unsharded_grad()
-            self._reduction = (comm.reduce_scatter_async(full, self.dp.mesh, self.dp.shard_axis, "avg"), everywhere)
+            self._reduction = (comm.reduce_scatter_async(full, self.dp.mesh, self.dp.shard_axis, "avg"), everywhere,
+                               local)
 
     def finish_reduce(self) -> None:
         """Wait for the reduce_scatter ``start_reduce`` issued (if any) and accumulate the shards."""
         if self._reduction is None:
             return
-        pending, everywhere = self._reduction
+        pending, everywhere, local = self._reduction
         self._reduction = None
         per_rank = self.layout.per_rank
         with torch.no_grad():
@@ -140,7 +142,18 @@ class ParamGroup:
             # optimizer then skips it); one that some rank used gets the average, zeros included.
             # When this rank had every gradient, all were used: no need to read the flags (reading
             # them copies to the host and waits for the device, so only the rare case does).
-            present = [True] * len(self.params) if everywhere else (mine[per_rank:] > 0).tolist()
+            present = [True] * len(self.params) if everywhere else _presence(mine[per_rank:], local)
             for p, shard, used in zip(self.params, self.layout.unpack_shards(mine[:per_rank], self.dp.rank), present):
                 if p.requires_grad and used:
                     p.accumulate_sharded_grad(shard)
+
+
+def _presence(flags: torch.Tensor, local: list[bool]) -> list[bool]:
+    """Which parameters some rank produced a gradient for (the reduced presence flags).
+
+    On the meta device (a simulated step, ``shardwise.simulate``) the flags hold no data: every
+    rank is taken to produce the gradients this rank produced, as in any program all ranks run alike.
+    """
+    if flags.is_meta:
+        return local
+    return (flags > 0).tolist()

@@ -25,6 +25,7 @@ from shardwise.fsdp.buckets import plan_buckets
 from shardwise.fsdp.owners import ParamOwners, find_owners
 from shardwise.fsdp.param import MANAGED_ATTR
 from shardwise.fsdp.state import state_of
+from shardwise.meta_step import META_STEP
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Replicate
 
@@ -135,7 +136,7 @@ class ReplicateState:
         for i, p in enumerate(self.params):
             if p.local.device != p.replicated._local_tensor.device and p.follow_module():
                 self._hook_grad(i, p)  # moved by to_empty / .to since the last forward
-            if p.local.is_meta:
+            if p.local.is_meta and not META_STEP.get():
                 raise RuntimeError(
                     f"replicate({type(module).__name__}): parameter {p.owners.fqn!r} is on the meta device "
                     "(no data); call module.to_empty(device=...) and initialize it before forward"

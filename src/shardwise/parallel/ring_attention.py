@@ -131,9 +131,9 @@ _CPU_KERNEL_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attent
 
 
 def kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the fused CPU kernel can run this block: 4-D CPU tensors, not empty (it fails on
+    """Whether the fused CPU kernel can run this block: 4-D CPU (or meta: a simulated step) tensors, not empty (it fails on
     empty heads), value head size equal to the query's."""
-    return (_CPU_KERNEL is not None and q.device.type == "cpu" and q.ndim == 4 and q.numel() > 0
+    return (_CPU_KERNEL is not None and q.device.type in ("cpu", "meta") and q.ndim == 4 and q.numel() > 0
             and k.numel() > 0 and v.shape[-1] == q.shape[-1])
 
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import torch
 
+from shardwise.meta_step import META_STEP
 from shardwise.placement import Partial, Placement, Replicate
 from shardwise.redistribute.execute import redistribute_local
 from shardwise.spec import DTensorSpec
@@ -76,8 +77,8 @@ class Redistribute(torch.autograd.Function):
         local = input._local_tensor
         if dst.dtype != src.dtype:
             local, src = local.to(dst.dtype), _with_dtype(src, dst.dtype)
-        if local.is_meta and dst.mesh.get_coordinate() is not None:
-            local = _meta_block(dst)
+        if local.is_meta and dst.mesh.get_coordinate() is not None and not META_STEP.get():
+            local = _meta_block(dst)  # building on meta: shapes only (a simulated step communicates)
         else:
             local = redistribute_local(local, src, dst)
         return _dtensor_cls()(local, dst, requires_grad=False)

@@ -118,6 +118,10 @@ class Plan:
 
 
 _FREE = ("local_chunk", "partition", "relabel", "relayout")
+# Exchange routes are planned only on meshes of at most this many ranks: ``plan_exchange``
+# compares every holder class with every receiver (quadratic in the ranks; seconds per plan at
+# 64 ranks, minutes at 1,024), while axis-by-axis steps are priced in time independent of it.
+EXCHANGE_MAX_RANKS = 32
 
 
 def plan_redistribute(
@@ -246,6 +250,8 @@ class _Context:
         nothing or needs a flattened group that does not exist."""
         if layout == dst or len({p for p in dst if p.is_partial()}) > 1 or not reducible(layout, dst):
             return None  # mixed reductions: the order of partitioning matters, leave it to steps
+        if math.prod(self.mesh_shape) > EXCHANGE_MAX_RANKS:
+            return None  # too many ranks to plan the exchange in time: steps only
         ex = plan_exchange(self.shape, self.mesh_shape, layout, dst)
         if not ex.axes:  # every rank builds its target block from what it holds
             changed = next(a for a, (p, q) in enumerate(zip(layout, dst)) if p != q)

@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true",
                    help="print what the first step does on rank 0 (per module: every DTensor op's layouts, the "
                         "strategy chosen and its alternatives, each collective with its bytes), then continue")
+    p.add_argument("--simulate", action="store_true",
+                   help="start no workers: simulate one step of every rank (--nproc of them) in this process on "
+                        "meta tensors and print each rank's parameter, gradient, optimizer and peak memory and its "
+                        "bytes sent per mesh axis (with --metrics-file: as JSON, per_rank)")
     ckpt = p.add_argument_group("checkpoints", "A checkpoint holds the model, the optimizer (AdamW moments and step "
                                 "counts), the learning-rate schedule, the step, the data position and the seed; it "
                                 "loads into any parallel layout and world size.")
@@ -179,6 +183,9 @@ def worker() -> int:
     """The per-rank entry point (under a launcher, or the only process)."""
     try:
         job = job_from_argv(sys.argv[1:])
+        if job.simulate:
+            raise ConfigError("--simulate starts no workers and plays every rank in one process: run it without a "
+                              "launcher (python -m shardwise.train ... --simulate --nproc N)")
         with _run_lock(job):
             return _run(job)
     except (ConfigError, RunLockError) as err:
@@ -197,6 +204,27 @@ def _run(job: JobConfig) -> int:
         return _fail(str(err))
 
 
+def _simulate(job: JobConfig) -> int:
+    """``--simulate``: every distinct rank's step simulated here; print, and write the metrics file."""
+    import json
+
+    from shardwise.simulate import simulate_job
+    from shardwise.simulate.report import report_lines
+
+    print(f"{PROG}: layout: {job.describe_layout()}", flush=True)
+    report = simulate_job(job)
+    simulated = [c[0] for c in report.classes]
+    print(f"{PROG}: simulated one step of {job.nproc} ranks ({job.config}, global batch {job.global_batch} x "
+          f"{job.seq_len}) in {report.seconds:.1f} s; ranks simulated: {simulated[:8]}"
+          f"{' ...' if len(simulated) > 8 else ''} (the others hold blocks of the same shapes)", flush=True)
+    print("\n".join(report_lines(report.per_rank)), flush=True)
+    if job.metrics_file:
+        with open(job.metrics_file, "w") as f:
+            json.dump({"job": job.as_dict(), "layout": job.layout(), **report.as_dict()}, f, indent=1)
+        print(f"  metrics: {job.metrics_file}", flush=True)
+    return 0
+
+
 def main() -> None:
     """Validate here, then train in this process (one CPU/GPU rank) or launch the workers.
 
@@ -207,6 +235,8 @@ def main() -> None:
         return
     try:
         job = job_from_argv(sys.argv[1:])
+        if job.simulate:
+            sys.exit(_simulate(job))
         with _run_lock(job):
             if job.nproc == 1:
                 sys.exit(_run(job))

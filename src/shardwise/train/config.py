@@ -220,6 +220,7 @@ class JobConfig:
     stop_after: int | None = None
     collective_timeout: float = 120.0
     explain: bool = False
+    simulate: bool = False  # --simulate: no workers, one process simulates every rank (shardwise.simulate)
 
     # ------------------------------------------------------------------ derived values
     def model_args(self) -> ModelArgs:

@@ -115,6 +115,7 @@ class RunMetrics:
     _last: float = field(default_factory=time.perf_counter)
     _window_start: float = field(default_factory=time.perf_counter)
     _window_steps: int = 0
+    per_rank: list[dict] = field(default_factory=list)  # one measured step per rank (--metrics-file)
 
     def start(self) -> None:
         """Start the clock (after setup, before the first step)."""
@@ -123,6 +124,17 @@ class RunMetrics:
     def record_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Note the training state this rank holds (after the optimizer step, before zero_grad)."""
         self._state_peak = self._state_peak.max(state_bytes(model, optimizer))
+
+    def step_state(self) -> StateBytes:
+        """The training state recorded so far (the measured step's, after its optimizer step)."""
+        return self._state_peak
+
+    def keep_step_measurement(self, measurement) -> None:
+        """Collect every rank's measured step (``shardwise.simulate.measure``): one collective,
+        which every rank reaches after the same step."""
+        mine = measurement.as_dict()
+        self.per_rank = (comm.all_gather_object(mine, self.world_mesh, 0) if self.world_mesh is not None
+                         else [mine])
 
     def record_step(self, loss: torch.Tensor, lr: float) -> None:
         """Keep this step's local loss (a 0-d tensor, not yet synchronized) and its time."""
@@ -186,6 +198,7 @@ class RunMetrics:
             "peak_memory_bytes": self.peak_memory,
             "state_bytes": [{"params": b.params, "grads": b.grads, "optimizer": b.optimizer} for b in self.state],
             "lrs": self.lrs,
+            **({"per_rank": self.per_rank} if self.per_rank else {}),
         }
 
     def summary_lines(self, header: str) -> list[str]:

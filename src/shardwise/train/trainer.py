@@ -58,7 +58,7 @@ from shardwise.train.metrics import RunMetrics
 from shardwise.train.parallelize import ParallelOptions, build_llama, fsdp_applies_mixed_precision
 from shardwise.train.plot import write_loss_plot
 
-__all__ = ["Runtime", "resolve_device", "run_job", "train", "lr_factor", "build_model", "loss_fn",
+__all__ = ["Runtime", "resolve_device", "run_job", "train", "train_step", "lr_factor", "build_model", "loss_fn",
            "Progress", "NonFiniteLoss", "EXIT_NON_FINITE_LOSS"]
 
 EXIT_NON_FINITE_LOSS = 3
@@ -203,7 +203,7 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_model(job: JobConfig, runtime: Runtime) -> torch.nn.Module:
+def build_model(job: JobConfig, runtime: Runtime, materialize: bool = True) -> torch.nn.Module:
     """The model from ``job.seed``, built on meta, parallelized, then each rank initializes its blocks.
 
     The parameters equal those of ``Transformer`` built whole on one device from the same seed
@@ -212,7 +212,8 @@ def build_model(job: JobConfig, runtime: Runtime) -> torch.nn.Module:
     sw_random.manual_seed(job.seed)
     options = ParallelOptions(job.sequence_parallel, job.loss_parallel, job.activation_checkpointing,
                               job.mixed_precision, job.compile_backend if job.compile else None)
-    model = build_llama(job.model_args(), runtime.dims, runtime.world_mesh, options, runtime.device)
+    model = build_llama(job.model_args(), runtime.dims, runtime.world_mesh, options, runtime.device,
+                        materialize=materialize)  # False: meta blocks (a simulation)
     if runtime.cp_mesh is not None:
         # The rotary table is sharded along the sequence with the inputs at every step: it must
         # cover exactly one sequence (positions 0 .. seq_len-1) so each part keeps its global positions.
@@ -242,6 +243,11 @@ def build_pipeline(job: JobConfig, runtime: Runtime):
     runner = PipelineRunner(held.stages, held.indices, held.num_stages, runtime.pp_mesh, runtime.device,
                             job.pp_schedule, job.microbatches, loss_fn)
     return held.model, runner, held.param_names
+
+
+def build_optimizer(job: JobConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters (their local blocks hold its state)."""
+    return torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -322,7 +328,7 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
         model, runner, names = build_pipeline(job, runtime)
     else:
         model = build_model(job, runtime)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    optimizer = build_optimizer(job, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, job.warmup, job.steps))
     state = TrainState(model, optimizer, scheduler, seed=job.seed, schedule_steps=job.steps, config=job.config,
                        param_names=names)
@@ -336,18 +342,11 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
     for step in range(first, job.last_step):
         progress.step = step + 1
         inputs, labels = (t.to(runtime.device) for t in data.batch_at(step))
-        with _explaining(job, runtime, step == first):
-            with _step_context(job, runtime, model, inputs, labels):
-                if runner is not None:  # pipeline: the last stage's loss, on every pipeline rank
-                    loss = share_loss(runner.step(inputs, labels), runtime.pp_mesh, runtime.device)
-                else:
-                    loss = loss_fn(model(inputs), labels)
-                    loss.backward()
-            if job.max_norm > 0:
-                clip_grad_norm_(model.parameters(), job.max_norm, across=runtime.pp_mesh)
-            optimizer.step()
-        metrics.record_state(model, optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        with _explaining(job, runtime, step == first), \
+                _measured(job, runtime, metrics, step - first, job.last_step - first, model, optimizer, inputs, labels):
+            loss = train_step(job, runtime, model, optimizer, inputs, labels, runner)
+            metrics.record_state(model, optimizer)
+            optimizer.zero_grad(set_to_none=True)
         value = _local_value(loss)
         metrics.record_step(value, scheduler.get_last_lr()[0])
         finite.record(value, step + 1)
@@ -374,6 +373,39 @@ def _explaining(job: JobConfig, runtime: Runtime, first_step: bool) -> Iterator[
     with explain() as ex:
         yield
     print(ex, flush=True)
+
+
+def train_step(job: JobConfig, runtime: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               inputs: torch.Tensor, labels: torch.Tensor, runner=None) -> torch.Tensor:
+    """One optimizer step on this rank's batch: forward, loss, backward, clipping, step; returns the loss.
+
+    With a pipeline ``runner`` (``build_pipeline``) the schedule runs the stages and the last
+    stage's loss reaches every pipeline rank. The simulation (``shardwise.simulate``) runs this
+    very function on meta tensors.
+    """
+    with _step_context(job, runtime, model, inputs, labels):
+        if runner is not None:
+            loss = share_loss(runner.step(inputs, labels), runtime.pp_mesh, runtime.device)
+        else:
+            loss = loss_fn(model(inputs), labels)
+            loss.backward()
+    if job.max_norm > 0:
+        clip_grad_norm_(model.parameters(), job.max_norm, across=runtime.pp_mesh)
+    optimizer.step()
+    return loss
+
+
+def _measured(job: JobConfig, runtime: Runtime, metrics: RunMetrics, index: int, count: int, model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+              labels: torch.Tensor) -> contextlib.AbstractContextManager:
+    """With ``--metrics-file``: measure the run's second step (its first if it has one), the
+    first in steady state, as the simulation does (``shardwise.simulate.measure``)."""
+    if not job.metrics_file or index != min(1, count - 1):
+        return contextlib.nullcontext()
+    from shardwise.simulate.measure import measure_step
+
+    return measure_step(runtime.rank, runtime.device, model, optimizer, (inputs, labels), metrics.step_state,
+                        metrics.keep_step_measurement)
 
 
 def _restore(job: JobConfig, runtime: Runtime, checkpointer: Checkpointer, state: TrainState) -> int:

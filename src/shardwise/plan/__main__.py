@@ -1,0 +1,121 @@
+"""``python -m shardwise.plan --config llama3_8b --nproc 1024 --hardware h100-80gb --gpus-per-node 8``
+
+Enumerates every (dp_replicate, dp_shard, cp, tp) split of the world, drops the invalid ones
+with the reason, simulates each valid layout (``shardwise.simulate``: once with one block and
+once with two, extrapolated linearly to the model's depth, since every block costs the same),
+prices it on the hardware profile (``search.price``) and prints the fastest that fit, each as
+the trainer command that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from shardwise.plan.search import LayoutCost, candidates, load_hardware, price, rank_plans
+
+PROG = "shardwise.plan"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="llama3_8b")
+    p.add_argument("--nproc", type=int, required=True, help="GPUs in the world")
+    p.add_argument("--hardware", default="h100-80gb", help="a profile of shardwise/plan/hardware.json")
+    p.add_argument("--hardware-file", default=None, help="a JSON file of profiles of the same form")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: --nproc)")
+    p.add_argument("--max-cp", type=int, default=1, help="largest context-parallel degree considered")
+    p.add_argument("--max-replicate", type=int, default=None,
+                   help="largest dp_replicate considered (each layout is one simulation: fewer is faster)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="plan with recomputed block activations")
+    p.add_argument("--mixed-precision", action="store_true", help="plan with bf16 parameters and activations")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--show-dropped", action="store_true", help="list every dropped layout with its reason")
+    return p
+
+
+def simulated_cost(job, n_layers: int) -> LayoutCost:
+    """The busiest rank's peak memory and bytes per axis, extrapolated from 1- and 2-block simulations."""
+    from shardwise.simulate import simulate_job
+    from shardwise.train import config as config_module
+
+    figures = []
+    for layers in (1, 2):
+        args = dataclasses.replace(config_module.CONFIGS[job.config], n_layers=layers)
+        name = f"_plan_{job.config}_{layers}"
+        config_module.CONFIGS[name] = args
+        try:
+            report = simulate_job(dataclasses.replace(job, config=name))
+        finally:
+            del config_module.CONFIGS[name]
+        worst = max(report.per_rank, key=lambda m: m.peak_memory_bytes)
+        figures.append(worst)
+    one, two = figures
+    peak = one.peak_memory_bytes + (n_layers - 1) * (two.peak_memory_bytes - one.peak_memory_bytes)
+    axes = {a: one.comm_bytes_by_axis.get(a, 0) + (n_layers - 1) * (two.comm_bytes_by_axis.get(a, 0) - one.comm_bytes_by_axis.get(a, 0))
+            for a in set(one.comm_bytes_by_axis) | set(two.comm_bytes_by_axis)}
+    return LayoutCost(peak, axes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shardwise.train.config import ConfigError, JobConfig, get_model_args
+
+    ns = _parser().parse_args(argv)
+    try:
+        args = get_model_args(ns.config)
+        hw = load_hardware(ns.hardware, ns.hardware_file)
+    except (ConfigError, ValueError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    batch = ns.global_batch or ns.nproc
+    tokens = batch * ns.seq_len
+    flops = 6 * args.num_params() * tokens + 12 * args.n_layers * args.dim * ns.seq_len * tokens
+    print(f"{PROG}: {ns.config} ({args.num_params() / 1e9:.2f}B params) on {ns.nproc} x {hw.name} "
+          f"({ns.gpus_per_node} per node), global batch {batch} x {ns.seq_len} tokens; "
+          f"compute {flops:.3g} FLOP/step at {hw.peak_flops:.3g} FLOP/s x MFU 0.5 per GPU")
+    plans, dropped = [], []
+    started = time.perf_counter()
+    for cand, why in candidates(ns.nproc, args.n_heads, args.n_kv_heads, batch, ns.seq_len, ns.gpus_per_node):
+        if why is None and cand.cp > ns.max_cp:
+            why = f"cp {cand.cp} > --max-cp {ns.max_cp}"
+        if why is None and ns.max_replicate is not None and cand.dp_replicate > ns.max_replicate:
+            why = f"dp_replicate {cand.dp_replicate} > --max-replicate {ns.max_replicate}"
+        if why is not None:
+            dropped.append((cand, why))
+            continue
+        job = JobConfig(config=ns.config, nproc=ns.nproc, global_batch=batch, seq_len=ns.seq_len, device="cpu",
+                        activation_checkpointing=ns.activation_checkpointing, mixed_precision=ns.mixed_precision,
+                        **cand.degrees())
+        try:
+            cost = simulated_cost(job, args.n_layers)
+        except Exception as err:  # a layout the simulation cannot run is reported, not fatal
+            dropped.append((cand, f"simulation failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"))
+            continue
+        plan = price(cand, cost, hw, ns.gpus_per_node, flops, ns.nproc)
+        if plan.dropped:
+            dropped.append((cand, plan.dropped))
+        plans.append(plan)
+    ranked = rank_plans(plans)
+    extra = "".join(f" --{f}" for f, on in (("activation-checkpointing", ns.activation_checkpointing),
+                                            ("mixed-precision", ns.mixed_precision)) if on)
+    print(f"{PROG}: {len(plans)} valid layouts simulated in {time.perf_counter() - started:.0f} s, "
+          f"{len(ranked)} fit, {len(dropped)} dropped")
+    print("overlap: data-parallel traffic (dp_shard, dp_replicate) hides under compute; tp/cp traffic does not")
+    for i, p in enumerate(ranked[:ns.top], 1):
+        comm = ", ".join(f"{a} {t * 1e3:.0f} ms ({p.placement[a]})" for a, t in sorted(p.comm_s.items()))
+        print(f"{i}. step {p.step_s:.2f} s (compute {p.compute_s:.2f} s; {comm or 'no communication'}); "
+              f"peak {p.cost.peak_memory_bytes / 2**30:.1f} GiB/GPU")
+        print(f"   python -m shardwise.train --config {ns.config} --nproc {ns.nproc} {p.candidate.flags()} "
+              f"--global-batch {batch} --seq-len {ns.seq_len}{extra}")
+    shown = dropped if ns.show_dropped else [d for d in dropped if "GiB" in d[1] or "simulation" in d[1]][:6]
+    for cand, why in shown:
+        print(f"   dropped {cand.flags()}: {why}")
+    return 0 if ranked else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Parallel plans for a world: enumerate layouts, price them, rank them (pure: no processes).
+
+A layout's cost comes from a ``LayoutCost`` (bytes sent per mesh axis and peak memory per
+rank, from the simulation) and a ``Hardware`` profile:
+
+* compute time = 6 x parameters x tokens per step / (world x peak FLOP/s x ``MFU``), the
+  usual dense-transformer estimate (forward 2, backward 4 FLOPs per parameter per token), plus
+  the attention scores (12 x layers x dim x seq_len per token);
+* communication time, per mesh axis = bytes sent on it / bandwidth of the link it crosses: an
+  axis whose ranks all sit in one node (the axis and the ones inside it span at most
+  ``gpus_per_node`` ranks; axes are laid out outermost first, tp innermost) uses the intra-node
+  bandwidth, any other the inter-node one;
+* step time = max(compute, data-parallel communication) + the other axes' communication: the
+  data-parallel axes' gathers and reductions overlap with compute (FSDP prefetch, bucketed
+  reductions), tensor- and context-parallel ones sit on the critical path between ops.
+
+A layout whose peak memory exceeds the device's is dropped with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Iterator
+
+__all__ = ["Hardware", "load_hardware", "Candidate", "candidates", "LayoutCost", "Plan", "price", "rank_plans",
+           "MFU", "OVERLAPPED_AXES"]
+
+MFU = 0.5  # fraction of peak FLOP/s a step's compute is assumed to reach
+OVERLAPPED_AXES = ("dp_shard", "dp_replicate", "dp_shard_cp", "dp", "dp_cp")
+AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first, as ParallelDims
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_bytes: float
+    peak_flops: float
+    intra_node_bw: float
+    inter_node_bw: float
+
+
+def load_hardware(name: str, path: str | None = None) -> Hardware:
+    """The named profile from the package's hardware.json, or from ``path`` (same form)."""
+    path = path or os.path.join(os.path.dirname(__file__), "hardware.json")
+    with open(path) as f:
+        profiles = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    if name not in profiles:
+        raise ValueError(f"unknown hardware {name!r} in {path}; known: {', '.join(profiles)}")
+    return Hardware(name, **profiles[name])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Parallel degrees; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def degrees(self) -> dict[str, int]:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+
+    def flags(self) -> str:
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.degrees().items() if v > 1) or "--dp-shard 1"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(world: int, n_heads: int, n_kv_heads: int, global_batch: int, seq_len: int,
+               max_tp: int | None = None) -> Iterator[tuple[Candidate, str | None]]:
+    """Every split of ``world`` into (dp_replicate, dp_shard, cp, tp), with why it is invalid (or None)."""
+    for tp in _divisors(world):
+        for cp in _divisors(world // tp):
+            for rep in _divisors(world // (tp * cp)):
+                shard = world // (tp * cp * rep)
+                c = Candidate(rep, shard, cp, tp)
+                yield c, _invalid(c, n_heads, n_kv_heads, global_batch, seq_len, max_tp)
+
+
+def _invalid(c: Candidate, n_heads: int, n_kv_heads: int, global_batch: int, seq_len: int,
+             max_tp: int | None) -> str | None:
+    if n_heads % c.tp or n_kv_heads % c.tp:
+        return f"tp {c.tp} does not divide the heads ({n_heads}, kv {n_kv_heads})"
+    if max_tp is not None and c.tp > max_tp:
+        return f"tp {c.tp} spans more than a node ({max_tp} GPUs)"
+    if global_batch % (c.dp_replicate * c.dp_shard):
+        return f"global batch {global_batch} not divisible by dp {c.dp_replicate * c.dp_shard}"
+    if c.cp > 1 and seq_len % (2 * c.cp):
+        return f"seq len {seq_len} not divisible by 2 x cp {c.cp}"
+    if c.tp > 1 and c.dp_replicate > 1 and c.dp_shard * c.cp == 1:
+        return "DDP with TP is not supported (use HSDP)"
+    return None
+
+
+@dataclass(frozen=True)
+class LayoutCost:
+    """What the simulation says about one layout: the busiest rank's figures."""
+
+    peak_memory_bytes: int
+    comm_bytes_by_axis: dict[str, int]
+
+
+@dataclass
+class Plan:
+    candidate: Candidate
+    cost: LayoutCost
+    compute_s: float
+    comm_s: dict[str, float]
+    step_s: float
+    dropped: str | None = None
+    placement: dict[str, str] = field(default_factory=dict)
+
+
+def axis_links(c: Candidate, gpus_per_node: int) -> dict[str, str]:
+    """"intra" or "inter" per mesh axis (flattened names map to their outermost part)."""
+    sizes = {a: getattr(c, a) if a != "pp" else 1 for a in AXIS_ORDER}
+    links, inner = {}, 1
+    for a in reversed(AXIS_ORDER):
+        inner *= sizes[a]
+        links[a] = "intra" if inner <= gpus_per_node else "inter"
+    links["dp_shard_cp"] = links["dp_shard"] if c.dp_shard > 1 else links["cp"]
+    links["dp"] = links["dp_replicate"] if c.dp_replicate > 1 else links["dp_shard"]
+    links["dp_cp"] = links["dp_replicate"]
+    return links
+
+
+def price(c: Candidate, cost: LayoutCost, hw: Hardware, gpus_per_node: int, flops_per_step: float,
+          world: int) -> Plan:
+    """Step time of one layout on ``hw`` (module docstring), dropped if it does not fit."""
+    links = axis_links(c, gpus_per_node)
+    comm = {a: b / (hw.intra_node_bw if links.get(a, "inter") == "intra" else hw.inter_node_bw)
+            for a, b in cost.comm_bytes_by_axis.items()}
+    compute = flops_per_step / (world * hw.peak_flops * MFU)
+    overlapped = sum(t for a, t in comm.items() if a in OVERLAPPED_AXES)
+    exposed = sum(t for a, t in comm.items() if a not in OVERLAPPED_AXES)
+    step = max(compute, overlapped) + exposed
+    dropped = None
+    if cost.peak_memory_bytes > hw.memory_bytes:
+        dropped = f"needs {cost.peak_memory_bytes / 2**30:.1f} GiB per GPU, {hw.name} has {hw.memory_bytes / 2**30:.0f} GiB"
+    return Plan(c, cost, compute, comm, step, dropped, {a: links[a] for a in comm})
+
+
+def rank_plans(plans: list[Plan]) -> list[Plan]:
+    """Fitting plans, fastest first (ties: less memory)."""
+    return sorted((p for p in plans if p.dropped is None), key=lambda p: (p.step_s, p.cost.peak_memory_bytes))

@@ -1,0 +1,50 @@
+"""shardwise.plan's pure logic: layouts enumerated, links placed, memory and time priced, ranked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise.plan.search import Candidate, LayoutCost, axis_links, candidates, load_hardware, price, rank_plans
+
+
+def test_candidates_cover_the_world_and_name_what_is_invalid():
+    found = dict(candidates(8, n_heads=8, n_kv_heads=4, global_batch=8, seq_len=128, max_tp=8))
+    assert all(c.dp_replicate * c.dp_shard * c.cp * c.tp == 8 for c in found)
+    assert len(found) == len(set(found)) == 20  # ordered splits of 8 = 2^3 into 4 factors
+    assert found[Candidate(dp_shard=8)] is None
+    assert "tp 8 does not divide the heads" in found[Candidate(tp=8)]
+    assert "DDP with TP" in found[Candidate(dp_replicate=4, tp=2)]
+    bad_batch = dict(candidates(8, 8, 4, global_batch=2, seq_len=128))
+    assert "global batch 2" in bad_batch[Candidate(dp_shard=8)]
+
+
+def test_axes_fall_inside_or_across_nodes_innermost_first():
+    links = axis_links(Candidate(dp_replicate=2, dp_shard=8, tp=8), gpus_per_node=8)
+    assert (links["tp"], links["dp_shard"], links["dp_replicate"]) == ("intra", "inter", "inter")
+    links = axis_links(Candidate(dp_shard=2, tp=4), gpus_per_node=8)
+    assert (links["tp"], links["dp_shard"]) == ("intra", "intra")
+
+
+def test_price_overlaps_data_parallel_traffic_and_drops_what_does_not_fit(tmp_path):
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"toy": {"memory_bytes": 100, "peak_flops": 10, "intra_node_bw": 10,
+                                        "inter_node_bw": 1}}))
+    hw = load_hardware("toy", str(path))
+    c = Candidate(dp_shard=2, tp=2)
+    # compute 1000 / (4 x 10 x 0.5) = 50 s; dp 20 bytes intra = 2 s (hidden); tp 30 bytes intra = 3 s
+    plan = price(c, LayoutCost(90, {"dp_shard": 20, "tp": 30}), hw, 4, 1000, 4)
+    assert plan.compute_s == pytest.approx(50) and plan.step_s == pytest.approx(53) and plan.dropped is None
+    slow = price(c, LayoutCost(90, {"dp_shard": 200, "tp": 30}), hw, 2, 1000, 4)  # dp crosses nodes: 200 s
+    assert slow.step_s == pytest.approx(203)
+    big = price(c, LayoutCost(101, {}), hw, 4, 1000, 4)
+    assert "needs" in big.dropped and "toy has" in big.dropped
+    assert rank_plans([slow, big, plan]) == [plan, slow]
+    with pytest.raises(ValueError, match="unknown hardware 'nope'"):
+        load_hardware("nope", str(path))
+
+
+def test_shipped_profiles_load():
+    for name in ("h100-80gb", "a100-80gb", "h200", "cpu"):
+        assert load_hardware(name).memory_bytes > 0
