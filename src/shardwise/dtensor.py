@@ -281,6 +281,7 @@ class DTensor(torch.Tensor):
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+@never_compiled  # as DTensor.__new__: eager code a compiled frame calls back builds DTensors here
 def wrap_block(local_tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """``DTensor(local_tensor, spec, requires_grad=False)`` without the constructor's Python
     frame and keyword parsing: how the dispatcher wraps every op's outputs (its hot path).

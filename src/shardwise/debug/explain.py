@@ -437,9 +437,12 @@ def _render_plain(ex: Explanation) -> str:
 
 
 def _render_rich(ex: Explanation) -> str:
-    from rich.console import Console
-    from rich.text import Text
-    from rich.tree import Tree
+    try:  # optional: only called when rich is installed (``_rich_available``)
+        from rich.console import Console
+        from rich.text import Text
+        from rich.tree import Tree
+    except ImportError:
+        return _render_plain(ex)
 
     root = Tree(Text(_header(ex)))
     nodes: dict[str, Any] = {}
