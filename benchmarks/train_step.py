@@ -170,6 +170,7 @@ def torch_mesh(dims):
 
 
 def make_optimizer(params):
+    """Every run's optimizer (both libraries, every mode, the single-process oracle)."""
     import torch
 
     return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -246,7 +247,6 @@ class Job:
 
 
 def build_job(lib: str, mode: str, args, meshes: dict, data) -> Job:
-
     from shardwise.train.config import get_model_args
     from shardwise.train.model import Transformer
     from shardwise.train.parallelize import ParallelOptions, parallelize_llama, shardwise_api
