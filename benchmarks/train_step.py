@@ -17,6 +17,17 @@ the same ``parallelize_llama`` plans, once through shardwise's APIs and once thr
     tp_sp_lp   tp=4 + sequence parallel + loss parallel
     pp_fsdp    pp=2 x dp_shard=2            pipeline (1F1B, 2 microbatches) of FSDP stages
     pp_tp      pp=2 x tp=2                  pipeline (GPipe, 2 microbatches) of TP stages
+    cp         cp=4                         context parallel: FSDP over dp_shard_cp, ring attention
+    cp_fsdp    cp=2 x dp_shard=2            the same with two data-parallel groups of 2 context ranks
+
+The context-parallel modes run each step as the trainer's ``--cp`` does: inputs, labels and the
+rotary table sharded along the sequence in the load-balanced causal layout, FSDP over the
+flattened ``dp_shard_cp`` axis; shardwise through ``shardwise.parallel.context_parallel``, torch
+through ``torch.distributed.tensor.experimental.context_parallel`` with its ``fully_shard``. Their
+loss is averaged over ``dp_cp`` (every token of the global batch) and also compared with the
+"single" run's (one process, same weights, optimizer and data). Where torch's context parallelism
+cannot run (on CPU it has no SDPA kernel it can shard), its column says n/a, the exact error is
+printed under the table, and shardwise's side still runs and is checked against one process.
 
 The pipeline modes split the model by module paths the same way for both libraries
 (``shardwise.parallel.pipeline.split_stage``) and run both through torch.distributed.pipelining
@@ -33,7 +44,9 @@ Reported per mode:
   and runs two steps, measured for each library separately, after one untimed step of each
   (so imports and first-use caches are not counted);
 * agreement: the largest relative difference between the two libraries' losses at the same
-  step (same weights, same data); above 1e-4 the mode is marked WRONG and the run exits 3.
+  step (same weights, same data); above 1e-4 the mode is marked WRONG and the run exits 3. The
+  cp modes also give shardwise's difference from one process's loss: above 1e-5, WRONG (exit 3).
+  A library that cannot run a cp mode here is reported, not a failure (exit 0).
 
 "single" is the unparallelized model on rank 0 with the whole global batch (the other ranks
 wait), for scale.
@@ -58,6 +71,7 @@ from shardwise.launch import main_or_launch
 NPROC = 4
 EXIT_WRONG = 3
 AGREE_RTOL = 1e-4
+PARITY_RTOL = 1e-5  # a cp mode's loss vs one process's (the trainer's parity bound)
 MODES = {
     "fsdp": ({"dp_shard": 4}, {}),
     "tp": ({"tp": 4, "dp_shard": 1}, {}),
@@ -65,6 +79,8 @@ MODES = {
     "tp_sp_lp": ({"tp": 4, "dp_shard": 1}, {"sequence_parallel": True, "loss_parallel": True}),
     "pp_fsdp": ({"pp": 2, "dp_shard": 2}, {}),
     "pp_tp": ({"pp": 2, "tp": 2, "dp_shard": 1}, {}),
+    "cp": ({"cp": 4, "dp_shard": 1}, {}),
+    "cp_fsdp": ({"cp": 2, "dp_shard": 2}, {}),
 }
 PP_SCHEDULES = {"pp_fsdp": "1f1b", "pp_tp": "gpipe"}  # 2 microbatches (= pp) each
 
@@ -92,6 +108,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown config {args.config!r}; known: {', '.join(CONFIGS)}")
     if args.global_batch % 4:
         p.error("--global-batch must be divisible by 4 (the fsdp mode's data-parallel degree)")
+    cp = max((MODES[m][0].get("cp", 1) for m in args.modes), default=1)
+    if args.seq_len % (2 * cp):
+        p.error(f"--seq-len {args.seq_len} must divide into 2 x cp = {2 * cp} chunks (the load-balanced causal layout)")
     return args
 
 
@@ -144,7 +163,38 @@ def torch_mesh(dims):
 
     axes = dims.mesh_axes()
     mesh = init_device_mesh("cpu", [n for _, n in axes], mesh_dim_names=tuple(a for a, _ in axes))
+    if dims.cp_enabled:  # FSDP shards over dp_shard_cp (as build_mesh; torch has no alias, so flatten)
+        parts = dims.flattened_axes()["dp_shard_cp"]
+        mesh[parts]._flatten("dp_shard_cp")
     return mesh
+
+
+def make_optimizer(params):
+    """Every run's optimizer (both libraries, every mode, the single-process oracle)."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def shardwise_cp_context(cp_mesh):
+    """The trainer's step context under cp: inputs, labels and the rotary table sharded along the
+    sequence (load-balanced), SDPA as shardwise's ring attention."""
+    from shardwise.parallel import context_parallel
+
+    def ctx(model, inputs, labels):
+        return context_parallel(cp_mesh, buffers=[inputs, labels, model.rotary], seq_dims=[1, 1, 0],
+                                no_restore_buffers={inputs, labels})
+    return ctx
+
+
+def torch_cp_context(cp_mesh):
+    """The same with torch's experimental context_parallel (its load-balanced causal layout)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    def ctx(model, inputs, labels):
+        return context_parallel(cp_mesh, buffers=[inputs, labels, model.rotary], buffer_seq_dims=[1, 1, 0],
+                                no_restore_buffers={inputs, labels})
+    return ctx
 
 
 @dataclass
@@ -160,12 +210,18 @@ class Job:
     times: list = field(default_factory=list)
     runner: object = None  # pipeline modes: the PipelineRunner of this rank's stages
     pp_mesh: object = None  # pipeline modes: shardwise's pp mesh (to share the last stage's loss)
+    seq_ctx: object = None  # cp modes: seq_ctx(model, inputs, labels) shards the sequence for one step
+    loss_mesh: object = None  # cp modes: shardwise's dp_cp mesh (the loss averaged over every token part)
 
     def step(self, i: int):
         from shardwise.train.trainer import loss_fn
 
         inputs, labels = self.data.batch_at(i)
-        with self.loss_ctx():
+        seq_ctx = contextlib.nullcontext()
+        if self.seq_ctx is not None:  # sharded in place: own copies, not views of one token tensor
+            inputs, labels = inputs.clone(), labels.clone()
+            seq_ctx = self.seq_ctx(self.model, inputs, labels)
+        with seq_ctx, self.loss_ctx():
             if self.runner is not None:
                 loss = self.runner.step(inputs, labels)  # None except on the last stage's ranks
             else:
@@ -183,12 +239,14 @@ class Job:
 
             loss = share_loss(loss, self.pp_mesh, torch.device("cpu"))
         value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        if self.loss_mesh is not None:  # untimed: the mean over the data and context ranks (equal token counts)
+            from shardwise import comm
+
+            value = comm.all_reduce(value.detach().float().reshape(1), self.loss_mesh, 0, "sum") / self.loss_mesh.size()
         self.losses.append(float(value))
 
 
 def build_job(lib: str, mode: str, args, meshes: dict, data) -> Job:
-    import torch
-
     from shardwise.train.config import get_model_args
     from shardwise.train.model import Transformer
     from shardwise.train.parallelize import ParallelOptions, parallelize_llama, shardwise_api
@@ -205,8 +263,13 @@ def build_job(lib: str, mode: str, args, meshes: dict, data) -> Job:
     ctx = api.loss_parallel if options.loss_parallel else contextlib.nullcontext
     if dims.pp_enabled:
         return _pipeline_job(lib, mode, model, dims, mesh, sw_mesh, options, api, ctx, data)
+    if dims.cp_enabled:  # as the trainer: the rotary table covers exactly one sequence (global positions)
+        model.rotary = model.rotary[:args.seq_len].clone()
     parallelize_llama(model, dims, mesh, options, api)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = make_optimizer(model.parameters())
+    if dims.cp_enabled:
+        seq_ctx = (shardwise_cp_context if lib == "shardwise" else torch_cp_context)(mesh["cp"])
+        return Job(lib, model, optimizer, ctx, data, seq_ctx=seq_ctx, loss_mesh=sw_mesh["dp_cp"])
     return Job(lib, model, optimizer, ctx, data)
 
 
@@ -227,7 +290,7 @@ def _pipeline_job(lib: str, mode: str, model, dims, mesh, sw_mesh, options, api,
     for stage in stages:
         parallelize_llama(stage, dims, mesh, options, api)
     params = [p for stage in stages for p in stage.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = make_optimizer(params)
     runner = PipelineRunner(stages, indices, total, mesh["pp"], torch.device("cpu"), schedule, dims.pp, loss_fn)
     return Job(lib, stages, optimizer, ctx, data, runner=runner, pp_mesh=sw_mesh["pp"])
 
@@ -272,36 +335,59 @@ class Bench:
         return BatchSource(load_corpus(), self.args.global_batch, self.args.seq_len, 0, dims.dp_degree, dp_rank)
 
     def run_single(self) -> None:
-        """The plain model on rank 0 with the whole batch, the others waiting."""
+        """The plain model on rank 0 with the whole batch, the others waiting; its losses (the
+        same weights, optimizer and data as the modes) go to every rank, the oracle of the cp modes."""
+        import shardwise.random
         from shardwise.train.config import get_model_args
         from shardwise.train.data import BatchSource, load_corpus
         from shardwise.train.model import Transformer
 
-        times = []
+        steps = self.args.warmup + self.args.reps
+        times, losses = [], self.torch.zeros(steps, dtype=self.torch.float64)
         if self.rank == 0:
-            self.torch.manual_seed(0)
+            shardwise.random.manual_seed(0)  # as build_job: the same weights
             model = Transformer(get_model_args(self.args.config))
-            job = Job("single", model, self.torch.optim.AdamW(model.parameters(), lr=1e-3),
-                      contextlib.nullcontext,
+            job = Job("single", model, make_optimizer(model.parameters()), contextlib.nullcontext,
                       BatchSource(load_corpus(), self.args.global_batch, self.args.seq_len, 0))
-            for i in range(self.args.warmup + self.args.reps):
+            for i in range(steps):
                 t0 = time.perf_counter()
-                job.step(i)
+                loss = job.step(i)
                 if i >= self.args.warmup:
                     times.append(time.perf_counter() - t0)
+                losses[i] = float(loss)
             del job, model
         self.dist.barrier()
         _release_memory()
         median = self.torch.tensor([statistics.median(times) if times else 0.0], dtype=self.torch.float64)
         self.dist.broadcast(median, src=0)
+        self.dist.broadcast(losses, src=0)
+        self.single_losses = losses.tolist()
         self.rows.append({"mode": "single", "sw": float(median), "torch": float("nan")})
 
-    def measure_memory(self, mode: str, meshes: dict, data) -> dict[str, list[int]]:
+    def torch_error(self, mode: str, meshes: dict, data) -> str | None:
+        """None if torch's side of a cp mode runs a step here, else its exact error (one line).
+
+        torch's context_parallel may not run on this machine (its ring needs attention kernels
+        CPU lacks); the error is raised alike on every rank, checked here."""
+        if not MODES[mode][0].get("cp", 1) > 1:
+            return None
+        try:
+            build_job("torch", mode, self.args, meshes, data).step(0)
+            error = None
+        except Exception as err:  # noqa: BLE001 (reported, not hidden: the exact error is printed)
+            error = " ".join(f"{type(err).__name__}: {err}".split())
+        _release_memory()
+        errors = self.per_rank(error)
+        if len(set(errors)) > 1:
+            raise RuntimeError(f"{mode}: torch's side failed on some ranks only: {errors}")
+        return error
+
+    def measure_memory(self, mode: str, meshes: dict, data, libs: tuple[str, ...]) -> dict[str, list[int]]:
         """Peak RSS rise per library; a first untimed pass keeps one-off costs (imports, caches) out."""
-        for lib in ("shardwise", "torch"):
+        for lib in libs:
             build_job(lib, mode, self.args, meshes, data).step(0)
         out = {}
-        for lib in ("shardwise", "torch"):
+        for lib in libs:
             self.dist.barrier()
             with PeakRSS() as peak:
                 job = build_job(lib, mode, self.args, meshes, data)
@@ -312,8 +398,10 @@ class Bench:
         _release_memory()
         return out
 
-    def measure_time(self, mode: str, meshes: dict, data) -> tuple[dict, float]:
-        jobs = [build_job(lib, mode, self.args, meshes, data) for lib in ("shardwise", "torch")]
+    def measure_time(self, mode: str, meshes: dict, data, libs: tuple[str, ...]) -> tuple[dict, float, float]:
+        """Median step times, the largest relative loss difference shardwise vs torch (nan without
+        torch) and, for the cp modes (losses averaged over every token), shardwise vs one process."""
+        jobs = [build_job(lib, mode, self.args, meshes, data) for lib in libs]
         for i in range(self.args.warmup + self.args.reps):
             for job in (jobs if i % 2 == 0 else jobs[::-1]):
                 self.dist.barrier()
@@ -323,10 +411,11 @@ class Bench:
                 if i >= self.args.warmup:
                     job.times.append(elapsed)
                 job.record_loss(loss)
-        sw, th = jobs
         medians = {j.lib: statistics.median(self.slowest(j.times)) for j in jobs}
-        diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(sw.losses, th.losses))
-        return medians, self.slowest([diff])[0]
+        sw = jobs[0]
+        diff = _rel_diff(sw.losses, jobs[1].losses) if len(jobs) > 1 else float("nan")
+        vs_single = _rel_diff(sw.losses, self.single_losses) if sw.loss_mesh is not None else float("nan")
+        return medians, self.slowest([diff])[0], self.slowest([vs_single])[0]
 
     def run(self) -> int:
         from shardwise.train.config import get_model_args
@@ -340,19 +429,23 @@ class Bench:
         self.run_single()
         for mode in a.modes:
             data = self.data_for(*meshes[mode][:2])
-            memory = self.measure_memory(mode, meshes, data)
-            medians, diff = self.measure_time(mode, meshes, data)
-            self.rows.append({"mode": mode, "sw": medians["shardwise"], "torch": medians["torch"],
-                              "mem_sw": memory["shardwise"], "mem_torch": memory["torch"], "diff": diff})
+            error = self.torch_error(mode, meshes, data)
+            libs = ("shardwise",) if error else ("shardwise", "torch")
+            memory = self.measure_memory(mode, meshes, data, libs)
+            medians, diff, vs_single = self.measure_time(mode, meshes, data, libs)
+            self.rows.append({"mode": mode, "sw": medians["shardwise"], "torch": medians.get("torch", float("nan")),
+                              "mem_sw": memory["shardwise"], "mem_torch": memory.get("torch"), "diff": diff,
+                              "vs_single": vs_single, "torch_error": error})
             _release_memory()
             self.say(f"  measured {mode}")
         return self.report()
 
     def report(self) -> int:
-        wrong = [r["mode"] for r in self.rows if r.get("diff", 0.0) > AGREE_RTOL]
+        wrong = [r["mode"] for r in self.rows
+                 if _worse(r.get("diff"), AGREE_RTOL) or _worse(r.get("vs_single"), PARITY_RTOL)]
         if self.rank != 0:
             return EXIT_WRONG if wrong else 0
-        mib = lambda xs: "/".join(f"{x / 2**20:.0f}" for x in xs)  # noqa: E731
+        mib = lambda xs: "/".join(f"{x / 2**20:.0f}" for x in xs) if xs else "-"  # noqa: E731
         head = (f"{'mode':<10} {'shardwise s':>11} {'torch s':>8} {'sw/torch':>8}   "
                 f"{'peak MiB/rank shardwise':>24} {'peak MiB/rank torch':>20}   loss rel diff")
         print("\n" + head + "\n" + "-" * len(head))
@@ -360,17 +453,34 @@ class Bench:
             if r["mode"] == "single":
                 print(f"{'single':<10} {r['sw']:>11.3f} {'':>8} {'':>8}   (1 process, whole batch, no parallelism)")
                 continue
-            ratio = r["sw"] / r["torch"]
-            note = "  !! WRONG" if r["diff"] > AGREE_RTOL else ""
-            print(f"{r['mode']:<10} {r['sw']:>11.3f} {r['torch']:>8.3f} {ratio:>8.2f}   "
-                  f"{mib(r['mem_sw']):>24} {mib(r['mem_torch']):>20}   {r['diff']:.1e}{note}")
-        ratios = [r["sw"] / r["torch"] for r in self.rows if r["mode"] != "single"]
+            has_torch = r["torch"] == r["torch"]
+            torch_s, ratio = (f"{r['torch']:.3f}", f"{r['sw'] / r['torch']:.2f}") if has_torch else ("n/a", "n/a")
+            diff = "n/a" if r["diff"] != r["diff"] else f"{r['diff']:.1e}"
+            if r["vs_single"] == r["vs_single"]:
+                diff += f" (vs 1 process {r['vs_single']:.1e})"
+            note = "  !! WRONG" if r["mode"] in wrong else ""
+            print(f"{r['mode']:<10} {r['sw']:>11.3f} {torch_s:>8} {ratio:>8}   "
+                  f"{mib(r['mem_sw']):>24} {mib(r['mem_torch']):>20}   {diff}{note}")
+        ratios = [r["sw"] / r["torch"] for r in self.rows if r["mode"] != "single" and r["torch"] == r["torch"]]
         if ratios:
             print(f"shardwise/torch step time: worst {max(ratios):.2f}, best {min(ratios):.2f}")
         print("peak MiB/rank: rise of the process's peak RSS while building the model and running 2 steps")
+        for r in self.rows:
+            if r.get("torch_error"):
+                print(f"{r['mode']}: torch unavailable here: {r['torch_error']}")
         for mode in wrong:
-            print(f"!! WRONG: {mode}: shardwise and torch losses differ by more than {AGREE_RTOL:g}")
+            print(f"!! WRONG: {mode}: shardwise's losses differ from torch's by more than {AGREE_RTOL:g} "
+                  f"or from one process's by more than {PARITY_RTOL:g}")
         return EXIT_WRONG if wrong else 0
+
+
+def _rel_diff(got: list[float], want: list[float]) -> float:
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
+
+
+def _worse(diff: float | None, rtol: float) -> bool:
+    """Above the tolerance (nan: nothing compared)."""
+    return diff is not None and diff == diff and diff > rtol
 
 
 def worker() -> int:

@@ -2,11 +2,13 @@
 
 Each script starts its own local gloo processes, so it runs as a subprocess. op_coverage's quick
 subset is also a correctness gate: shardwise must give no wrong result and no rank desync on it,
-and fully pass at least as many of its ops as torch's DTensor does in the same run.
+and fully pass at least as many of its ops as torch's DTensor does in the same run. train_step's
+context-parallel modes take over 10 s even quick, so only their flag checks run here (no process).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -67,3 +69,19 @@ def test_dispatch_overhead_quick_reports_medians():
         assert line, f"no summary for world {world}:\n{out[-4000:]}"
         assert int(line.group(1)) > 0
     assert "=== summary" in out
+
+
+def test_train_step_cp_modes_are_known_and_check_the_sequence_split(monkeypatch, capsys):
+    from shardwise.parallel import ParallelDims
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    train_step = importlib.import_module("train_step")
+    args = train_step.parse_args(["--quick", "--modes", "cp,cp_fsdp"])
+    assert args.modes == ["cp", "cp_fsdp"]
+    for mode in args.modes:  # the layouts the trainer's --cp runs: FSDP over dp_shard_cp
+        dims = ParallelDims(world_size=train_step.NPROC, **train_step.MODES[mode][0])
+        assert dims.cp_enabled and dims.fsdp_enabled and "dp_shard_cp" in dims.flattened_axes()
+    with pytest.raises(SystemExit):  # the largest cp (4) needs 2 x 4 sequence chunks
+        train_step.parse_args(["--modes", "cp_fsdp,cp", "--seq-len", "36"])
+    assert "--seq-len 36 must divide into 2 x cp = 8 chunks" in capsys.readouterr().err
+    train_step.parse_args(["--modes", "cp_fsdp", "--seq-len", "36"])  # cp=2: 4 chunks of 9
