@@ -21,7 +21,7 @@ from shardwise.placement import Placement, Replicate, Shard
 from shardwise.redistribute.bound import coordinates, intersect, needs_value
 from shardwise.redistribute.cross_mesh import plan_cross_mesh
 from shardwise.redistribute.exchange import plan_exchange
-from shardwise.redistribute.plan import Plan, Step, plan_redistribute
+from shardwise.redistribute.plan import Plan, Step, StepKind, plan_redistribute
 from shardwise.spec import DTensorSpec, local_shape_and_offset
 
 __all__ = ["plan_for", "redistribute_local"]
@@ -151,24 +151,24 @@ def _run_step(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple)
     kind = step.collective
     if step.target:  # an exchange (or a relayout: one that moves nothing)
         return _run_exchange(local, step, spec, layout)
-    if kind == "relabel":
+    if kind is StepKind.RELABEL:
         return local
-    if kind == "local_chunk":
+    if kind is StepKind.LOCAL_CHUNK:
         lengths = _lengths(spec, layout, axis, new.dim)
         me = mesh.get_local_rank(axis)
         return local.narrow(new.dim, sum(lengths[:me]), lengths[me])
-    if kind == "partition":
+    if kind is StepKind.PARTITION:
         return new.partition_value(local, mesh.get_local_rank(axis))
-    if kind == "all_gather":
+    if kind is StepKind.ALL_GATHER:
         return comm.all_gather(local, mesh, axis, cur.dim, _lengths(spec, layout, axis, cur.dim))
-    if kind == "all_reduce" and step.flattened:
+    if kind is StepKind.ALL_REDUCE and step.flattened:
         return comm.all_reduce(local, _flat_mesh(mesh, step.flattened), 0, cur.reduce_op)
-    if kind == "all_reduce":
+    if kind is StepKind.ALL_REDUCE:
         return comm.all_reduce(local, mesh, axis, cur.reduce_op)
-    if kind == "reduce_scatter":
+    if kind is StepKind.REDUCE_SCATTER:
         lengths = _lengths(spec, layout, axis, new.dim)
         return comm.reduce_scatter(local, mesh, axis, new.dim, cur.reduce_op, lengths)
-    if kind == "all_to_all":
+    if kind is StepKind.ALL_TO_ALL:
         split = _lengths(spec, layout, axis, new.dim)
         cat = _lengths(spec, layout, axis, cur.dim)
         return comm.all_to_all(local, mesh, axis, new.dim, split, cur.dim, cat)

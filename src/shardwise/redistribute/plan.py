@@ -30,6 +30,7 @@ the one-round busiest-rank bound whenever the group exists; with one it may not 
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 import math
@@ -42,7 +43,25 @@ from shardwise.redistribute.bound import coordinates
 from shardwise.redistribute.exchange import plan_exchange, reducible
 from shardwise.spec import local_shape_and_offset
 
-__all__ = ["Step", "Plan", "plan_redistribute"]
+__all__ = ["StepKind", "Step", "Plan", "plan_redistribute"]
+
+
+class StepKind(str, enum.Enum):
+    """What a plan step does on its axis (or axes). A ``str`` so that it reads, compares and
+    prints as the collective's name (``"all_gather"``), as CommDebugMode names them."""
+
+    RELABEL = "relabel"  # an axis of one rank: every layout of it holds the same data
+    LOCAL_CHUNK = "local_chunk"  # Replicate -> Shard: keep this rank's piece, no communication
+    PARTITION = "partition"  # Replicate -> Partial: this rank's share of the value, no communication
+    RELAYOUT = "relayout"  # several axes re-labelled at once, nothing moves
+    ALL_GATHER = "all_gather"
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 Layout = tuple[Placement, ...]
 
@@ -60,7 +79,7 @@ class Step:
     axis: int
     src: Placement
     dst: Placement
-    collective: str
+    collective: StepKind
     bytes_per_rank: int
     flattened: tuple[int, ...] = ()
     target: Layout = ()
@@ -117,7 +136,7 @@ class Plan:
         return "; ".join(map(str, self.steps)) or "no-op"
 
 
-_FREE = ("local_chunk", "partition", "relabel", "relayout")
+_FREE = (StepKind.LOCAL_CHUNK, StepKind.PARTITION, StepKind.RELABEL, StepKind.RELAYOUT)
 # Exchange routes are planned only on meshes of at most this many ranks: ``plan_exchange``
 # compares every holder class with every receiver (quadratic in the ranks; seconds per plan at
 # 64 ranks, minutes at 1,024), while axis-by-axis steps are priced in time independent of it.
@@ -255,7 +274,7 @@ class _Context:
         ex = plan_exchange(self.shape, self.mesh_shape, layout, dst)
         if not ex.axes:  # every rank builds its target block from what it holds
             changed = next(a for a, (p, q) in enumerate(zip(layout, dst)) if p != q)
-            return Step(changed, layout[changed], dst[changed], "relayout", 0, (), dst)
+            return Step(changed, layout[changed], dst[changed], StepKind.RELAYOUT, 0, (), dst)
         if len(ex.axes) == 1:
             group: tuple[int, ...] = ex.axes
         else:
@@ -264,7 +283,7 @@ class _Context:
                 return None
             group = min(wide, key=lambda g: (math.prod(self.mesh_shape[a] for a in g), g))
         busiest = max(ex.sends) * self.itemsize
-        return Step(group[0], layout[group[0]], dst[group[0]], "all_to_all", busiest,
+        return Step(group[0], layout[group[0]], dst[group[0]], StepKind.ALL_TO_ALL, busiest,
                     group if len(group) > 1 else (), dst)
 
     def priced(self, src: Layout, steps: tuple[Step, ...]) -> Plan:
@@ -303,7 +322,7 @@ class _Context:
         sends = []
         for c in coords:
             before = local_shape_and_offset(self.shape, self.mesh_shape, c, layout)[0]
-            if step.collective == "all_reduce" and exact:  # numel + (n-2) * its reduce_scatter piece
+            if step.collective == StepKind.ALL_REDUCE and exact:  # numel + (n-2) * its reduce_scatter piece
                 k = 0
                 for a in step.axes:
                     k = k * self.mesh_shape[a] + c[a]
@@ -325,8 +344,8 @@ class _Context:
             if not first.is_partial() or any(layout[a] != first for a in axes):
                 continue
             n = math.prod(self.mesh_shape[a] for a in axes)
-            sent = self._sent("all_reduce", n, self._local_shape(layout), ())
-            steps.append(Step(axes[0], first, Replicate(), "all_reduce", sent * self.itemsize, axes))
+            sent = self._sent(StepKind.ALL_REDUCE, n, self._local_shape(layout), ())
+            steps.append(Step(axes[0], first, Replicate(), StepKind.ALL_REDUCE, sent * self.itemsize, axes))
         return steps
 
     def step(self, layout: Layout, axis: int, cur: Placement, new: Placement) -> Step | None:
@@ -334,7 +353,7 @@ class _Context:
         if cur == new or new.is_partial() and any(p.is_partial() and p != new for p in layout):
             return None
         if self.mesh_shape[axis] == 1:  # one rank: every layout of this axis holds the same data
-            return Step(axis, cur, new, "relabel", 0)
+            return Step(axis, cur, new, StepKind.RELABEL, 0)
         kind = _collective(cur, new)
         if kind is None or not self._cuts_ok(layout, axis, cur, new):
             return None
@@ -345,7 +364,7 @@ class _Context:
         dims = {p.dim for p in (cur, new) if isinstance(p, Shard)}
         return not any(isinstance(p, Shard) and p.dim in dims for p in layout[axis + 1 :])
 
-    def _bytes(self, layout: Layout, axis: int, kind: str, cur: Placement, new: Placement) -> int:
+    def _bytes(self, layout: Layout, axis: int, kind: StepKind, cur: Placement, new: Placement) -> int:
         """Bytes the busiest rank of the axis sends (the others at coordinate 0, where blocks are largest)."""
         if kind in _FREE:
             return 0
@@ -356,14 +375,14 @@ class _Context:
         ) * self.itemsize
 
     @staticmethod
-    def _sent(kind: str, n: int, before: tuple[int, ...], after: tuple[int, ...]) -> int:
+    def _sent(kind: StepKind, n: int, before: tuple[int, ...], after: tuple[int, ...]) -> int:
         """Elements one rank sends: its block to n-1 peers, all of a reduction but its piece, ..."""
         numel = math.prod(before)
-        if kind == "all_gather":
+        if kind == StepKind.ALL_GATHER:
             return (n - 1) * numel
-        if kind == "all_reduce":
+        if kind == StepKind.ALL_REDUCE:
             return numel + (n - 2) * -(-numel // n)
-        if kind == "reduce_scatter":
+        if kind == StepKind.REDUCE_SCATTER:
             return numel - math.prod(after)
         return numel - _kept(before, after)  # all_to_all
 
@@ -384,11 +403,11 @@ def _kept(before: tuple[int, ...], after: tuple[int, ...]) -> int:
     return math.prod(min(b, a) for b, a in zip(before, after))
 
 
-def _collective(cur: Placement, new: Placement) -> str | None:
+def _collective(cur: Placement, new: Placement) -> StepKind | None:
     if cur.is_shard():
-        return "all_gather" if new.is_replicate() else "all_to_all" if new.is_shard() else None
+        return StepKind.ALL_GATHER if new.is_replicate() else StepKind.ALL_TO_ALL if new.is_shard() else None
     if cur.is_replicate():
-        return "local_chunk" if new.is_shard() else "partition" if new.is_partial() else None
+        return StepKind.LOCAL_CHUNK if new.is_shard() else StepKind.PARTITION if new.is_partial() else None
     if cur.is_partial():
-        return "all_reduce" if new.is_replicate() else "reduce_scatter" if new.is_shard() else None
+        return StepKind.ALL_REDUCE if new.is_replicate() else StepKind.REDUCE_SCATTER if new.is_shard() else None
     return None
