@@ -1,4 +1,5 @@
-"""--simulate against real runs: bytes per mesh axis equal, peak memory within 5% (debug config, 4 ranks).
+"""--simulate against real runs: bytes per mesh axis equal, peak memory within 5% (debug config, 4 ranks;
+FSDP, TP, FSDP+TP, HSDP, pipeline (1F1B, GPipe) with FSDP, context parallel with FSDP).
 
 The real side runs the trainer's own loop (``trainer.train``, two steps, the second measured
 with CommDebugMode and the live-storage tracker) on 4 gloo ranks; the simulated side runs
@@ -17,6 +18,9 @@ LAYOUTS = {
     "tp": dict(tp=4),
     "fsdp_tp": dict(dp_shard=2, tp=2),
     "hsdp": dict(dp_replicate=2, dp_shard=2),
+    "pp_1f1b": dict(pp=2, dp_shard=2),  # the pipeline's sends are counted on the pp axis
+    "pp_gpipe": dict(pp=2, dp_shard=2, pp_schedule="gpipe"),
+    "cp": dict(cp=2, dp_shard=2),
 }
 JOB = dict(config="debug", nproc=4, steps=2, global_batch=4, seq_len=64, device="cpu", warmup=1)
 

@@ -91,7 +91,8 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
     parameter layouts (to group the other ranks by)."""
     from shardwise.mesh import DeviceMesh
     from shardwise.train.metrics import state_bytes
-    from shardwise.train.trainer import Runtime, build_model, build_optimizer, train_step
+    from shardwise.simulate.pipeline import SimulatedPipeline, boundary_meta
+    from shardwise.train.trainer import Runtime, build_model, build_optimizer, build_pipeline, loss_fn, train_step
     from shardwise import random as sw_random
 
     with simulated_world(rank, job.nproc):
@@ -101,7 +102,14 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
         # The runtime's device is the job's kind (autocast needs one); the blocks stay on meta.
         runtime = Runtime(torch.device("cpu"), rank, job.nproc, dims, world_mesh, flat)
         sw_random.manual_seed(job.seed)
-        model = build_model(job, runtime, materialize=False)
+        runner = None
+        if runtime.pp_mesh is not None:
+            model, real_runner, _ = build_pipeline(job, runtime, materialize=False)
+            runner = SimulatedPipeline([s.submod for s in real_runner.stages], real_runner.indices,
+                                       real_runner.num_stages, runtime.pp_mesh, job.pp_schedule, job.microbatches,
+                                       loss_fn, lambda rows: boundary_meta(job, dims, rows))
+        else:
+            model = build_model(job, runtime, materialize=False)
         optimizer = build_optimizer(job, model)
         shape = (job.global_batch // dims.dp_degree, job.seq_len)
         kept: list[StepMeasurement] = []
@@ -113,7 +121,7 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
                                    lambda: held["state"], kept.append)
                       if index == 1 else contextlib.nullcontext())
             with region, _on_meta():
-                train_step(job, runtime, model, optimizer, inputs, labels)
+                train_step(job, runtime, model, optimizer, inputs, labels, runner)
                 held["state"] = state_bytes(model, optimizer)
                 optimizer.zero_grad(set_to_none=True)
         layouts = layouts_of(model.parameters(), world_mesh)
