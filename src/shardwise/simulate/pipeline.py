@@ -35,7 +35,9 @@ from torch import nn
 
 from shardwise import comm
 
-__all__ = ["SimulatedPipeline", "schedule_order", "boundary_meta"]
+__all__ = ["SIMULATED_SCHEDULES", "SimulatedPipeline", "schedule_order", "boundary_meta"]
+
+SIMULATED_SCHEDULES = ("gpipe", "1f1b")
 
 
 def schedule_order(schedule: str, microbatches: int, pp: int, stage: int) -> list[tuple[str, int]]:

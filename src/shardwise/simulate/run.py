@@ -129,7 +129,17 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
 
 
 def simulate_job(job) -> SimulationReport:
-    """Simulate one step of ``job`` (a validated ``JobConfig``) on each distinct rank."""
+    """Simulate one step of ``job`` (a validated ``JobConfig``) on each distinct rank.
+
+    Raises:
+        ConfigError: a pipeline schedule the simulation does not run (``SIMULATED_SCHEDULES``).
+    """
+    from shardwise.simulate.pipeline import SIMULATED_SCHEDULES
+    from shardwise.train.config import ConfigError
+
+    if job.pp > 1 and job.pp_schedule not in SIMULATED_SCHEDULES:
+        raise ConfigError(f"--simulate does not simulate --pp-schedule {job.pp_schedule} yet; it simulates "
+                          f"{', '.join(SIMULATED_SCHEDULES)}")
     started = time.perf_counter()
     dims = job.parallel_dims()
     axes = dims.mesh_axes()
