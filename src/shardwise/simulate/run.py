@@ -7,6 +7,9 @@ runs the trainer's own step (``trainer.train_step``) twice on meta tensors of th
 the first creates the optimizer state, the second, in steady state, is measured
 (``measure.measure_step``: bytes per mesh axis from shardwise's collectives, peak live tensor
 bytes). A real run with ``--metrics-file`` measures its second step with the same instruments.
+With ``--pp`` the stages are built as the trainer builds them (``trainer.build_pipeline``) and
+run by ``pipeline.SimulatedPipeline`` instead of torch's schedule (which cannot run on a
+simulated group).
 
 Assumptions, where a real step's behaviour depends on values: every embedding row lookup may
 fall in any rank's block (meta tensors have no indices; boolean masks keep every element, an
