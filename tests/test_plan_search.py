@@ -48,3 +48,19 @@ def test_price_overlaps_data_parallel_traffic_and_drops_what_does_not_fit(tmp_pa
 def test_shipped_profiles_load():
     for name in ("h100-80gb", "a100-80gb", "h200", "cpu"):
         assert load_hardware(name).memory_bytes > 0
+
+
+def test_pipeline_candidates_links_and_bubble():
+    found = dict(candidates(8, 8, 4, global_batch=8, seq_len=128, max_pp=2, n_layers=4))
+    assert found[Candidate(dp_shard=4, pp=2)] is None
+    assert Candidate(dp_shard=2, pp=4) not in found  # beyond max_pp
+    assert "local batch does not split into pp 2" in dict(candidates(4, 8, 4, global_batch=2, seq_len=128,
+                                                                     max_pp=2))[Candidate(dp_shard=2, pp=2)]
+    assert "does not divide the 3 layers" in dict(candidates(2, 8, 4, 8, 128, max_pp=2, n_layers=3))[Candidate(pp=2)]
+    # pp is outermost: across nodes once the ranks inside it fill a node
+    assert axis_links(Candidate(dp_shard=8, pp=2), gpus_per_node=8)["pp"] == "inter"
+    assert axis_links(Candidate(dp_shard=2, pp=2), gpus_per_node=8)["pp"] == "intra"
+    hw = load_hardware("h100-80gb")
+    cost = LayoutCost(2**30, {"pp": 0})
+    flat, piped = (price(Candidate(dp_shard=2, pp=p), cost, hw, 8, 1e15, 4) for p in (1, 2))
+    assert piped.compute_s == flat.compute_s * 1.5  # 1F1B, 2 microbatches: 3 slots for 2

@@ -1,4 +1,5 @@
-"""--simulate against real runs: bytes per mesh axis equal, peak memory within 5% (debug config, 4 ranks).
+"""--simulate against real runs: bytes per mesh axis equal, peak memory within 5% (debug config, 4 ranks;
+FSDP, TP, FSDP+TP, HSDP, pipeline (1F1B, GPipe) with FSDP, context parallel with FSDP).
 
 The real side runs the trainer's own loop (``trainer.train``, two steps, the second measured
 with CommDebugMode and the live-storage tracker) on 4 gloo ranks; the simulated side runs
@@ -17,6 +18,9 @@ LAYOUTS = {
     "tp": dict(tp=4),
     "fsdp_tp": dict(dp_shard=2, tp=2),
     "hsdp": dict(dp_replicate=2, dp_shard=2),
+    "pp_1f1b": dict(pp=2, dp_shard=2),  # the pipeline's sends are counted on the pp axis
+    "pp_gpipe": dict(pp=2, dp_shard=2, pp_schedule="gpipe"),
+    "cp": dict(cp=2, dp_shard=2),
 }
 JOB = dict(config="debug", nproc=4, steps=2, global_batch=4, seq_len=64, device="cpu", warmup=1)
 
@@ -94,3 +98,28 @@ def test_simulate_cli_writes_per_rank_metrics(tmp_path):
     assert [r["rank"] for r in per_rank] == [0, 1, 2, 3]
     assert all(r["comm_bytes_per_step"] > 0 and r["peak_memory_bytes"] > r["param_bytes"] > 0 for r in per_rank)
     assert set(per_rank[0]["comm_bytes_by_axis"]) == {"dp_shard", "tp"}
+
+
+def test_pipeline_schedule_order_in_flight():
+    from shardwise.simulate.pipeline import schedule_order
+
+    def in_flight(order):  # most forwards awaiting their backward at once
+        live, peak = 0, 0
+        for action, _ in order:
+            live += 1 if action == "F" else -1
+            peak = max(peak, live)
+        return peak
+
+    for schedule in ("gpipe", "1f1b"):
+        for pp, stage, m in ((2, 0, 2), (2, 1, 2), (4, 1, 8), (4, 3, 8)):
+            order = schedule_order(schedule, m, pp, stage)
+            assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
+            assert in_flight(order) == (m if schedule == "gpipe" else min(m, pp - stage)), (schedule, pp, stage)
+    with pytest.raises(ValueError, match="interleaved_1f1b"):
+        schedule_order("interleaved_1f1b", 4, 2, 0)
+    from shardwise.simulate import simulate_job
+    from shardwise.train.config import ConfigError, JobConfig
+
+    with pytest.raises(ConfigError, match="--pp-schedule interleaved_1f1b"):  # refused before any rank is played
+        simulate_job(JobConfig(**JOB, pp=2, dp_shard=2, pp_schedule="interleaved_1f1b"))

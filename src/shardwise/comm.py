@@ -46,7 +46,7 @@ from shardwise.mesh import DeviceMesh
 
 __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_counts", "scatter", "broadcast",
-    "all_gather_object", "barrier", "CommRecorder", "add_recorder", "remove_recorder",
+    "all_gather_object", "barrier", "CommRecorder", "add_recorder", "remove_recorder", "record_send",
     "set_collective_timeout", "collective_timeout", "TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost", "ring_shift", "recent_calls",
     "Pending", "all_gather_async", "reduce_scatter_async", "all_reduce_async", "run_ahead",
@@ -67,6 +67,13 @@ def add_recorder(recorder: CommRecorder) -> None:
 
 def remove_recorder(recorder: CommRecorder) -> None:
     _RECORDERS.remove(recorder)
+
+
+def record_send(kind: str, mesh: DeviceMesh, axis: int, nbytes: int) -> None:
+    """Tell the recorders about a point-to-point send issued outside this module (a pipeline
+    stage's activations or gradients, which torch.distributed.pipelining sends itself)."""
+    for recorder in _RECORDERS:
+        recorder.record(kind, mesh, axis, nbytes)
 
 
 # ---------------------------------------------------------------------- timeout

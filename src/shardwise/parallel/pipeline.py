@@ -79,6 +79,24 @@ def share_loss(loss: torch.Tensor | None, pp_mesh, device: torch.device) -> torc
     return comm.all_reduce(mine.reshape(1), pp_mesh, 0, "sum").reshape(())
 
 
+def _count_sends(stage, pp_mesh) -> None:
+    """Report every send ``stage``'s schedule issues (activations forward, input gradients
+    backward) to ``comm``'s recorders on the pipeline axis, as shardwise's own collectives are:
+    torch.distributed.pipelining sends them itself, past ``shardwise.comm``."""
+
+    def counted(get_ops):
+        def ops(chunk: int):
+            out = get_ops(chunk)
+            for op in out:
+                if op.op is torch.distributed.isend:
+                    comm.record_send("pp_send", pp_mesh, 0, op.tensor.numel() * op.tensor.element_size())
+            return out
+        return ops
+
+    stage.get_fwd_send_ops = counted(stage.get_fwd_send_ops)
+    stage.get_bwd_send_ops = counted(stage.get_bwd_send_ops)
+
+
 class PipelineRunner:
     """The stages of one pipeline rank and the schedule that runs them (torch.distributed.pipelining).
 
@@ -111,6 +129,8 @@ class PipelineRunner:
                 "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B}[schedule]
         target = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
         self.schedule = kind(target, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        for stage in self.stages:
+            _count_sends(stage, pp_mesh)
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one batch; the mean microbatch loss on the last stage's rank, else None.

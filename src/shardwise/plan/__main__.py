@@ -1,8 +1,9 @@
 """``python -m shardwise.plan --config llama3_8b --nproc 1024 --hardware h100-80gb --gpus-per-node 8``
 
-Enumerates every (dp_replicate, dp_shard, cp, tp) split of the world, drops the invalid ones
-with the reason, simulates each valid layout (``shardwise.simulate``: once with one block and
-once with two, extrapolated linearly to the model's depth, since every block costs the same),
+Enumerates every (dp_replicate, dp_shard, cp, tp, pp) split of the world (pp up to
+``--max-pp``), drops the invalid ones with the reason, simulates each valid layout
+(``shardwise.simulate``: once with one block per pipeline stage and once with two,
+extrapolated linearly to the model's depth, since every block costs the same),
 prices it on the hardware profile (``search.price``) and prints the fastest that fit, each as
 the trainer command that runs it.
 """
@@ -29,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: --nproc)")
     p.add_argument("--max-cp", type=int, default=1, help="largest context-parallel degree considered")
+    p.add_argument("--max-pp", type=int, default=1,
+                   help="largest pipeline degree considered (1F1B, microbatches = pp)")
     p.add_argument("--max-replicate", type=int, default=None,
                    help="largest dp_replicate considered (each layout is one simulation: fewer is faster)")
     p.add_argument("--activation-checkpointing", action="store_true", help="plan with recomputed block activations")
@@ -39,12 +42,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def simulated_cost(job, n_layers: int) -> LayoutCost:
-    """The busiest rank's peak memory and bytes per axis, extrapolated from 1- and 2-block simulations."""
+    """The busiest rank's peak memory and bytes per axis, extrapolated from simulations with 1 and 2
+    blocks per pipeline stage."""
     from shardwise.simulate import simulate_job
     from shardwise.train import config as config_module
 
     figures = []
-    for layers in (1, 2):
+    for layers in (job.pp, 2 * job.pp):
         args = dataclasses.replace(config_module.CONFIGS[job.config], n_layers=layers)
         name = f"_plan_{job.config}_{layers}"
         config_module.CONFIGS[name] = args
@@ -55,8 +59,9 @@ def simulated_cost(job, n_layers: int) -> LayoutCost:
         worst = max(report.per_rank, key=lambda m: m.peak_memory_bytes)
         figures.append(worst)
     one, two = figures
-    peak = one.peak_memory_bytes + (n_layers - 1) * (two.peak_memory_bytes - one.peak_memory_bytes)
-    axes = {a: one.comm_bytes_by_axis.get(a, 0) + (n_layers - 1) * (two.comm_bytes_by_axis.get(a, 0) - one.comm_bytes_by_axis.get(a, 0))
+    more = n_layers // job.pp - 1  # blocks per stage beyond the first
+    peak = one.peak_memory_bytes + more * (two.peak_memory_bytes - one.peak_memory_bytes)
+    axes = {a: one.comm_bytes_by_axis.get(a, 0) + more * (two.comm_bytes_by_axis.get(a, 0) - one.comm_bytes_by_axis.get(a, 0))
             for a in set(one.comm_bytes_by_axis) | set(two.comm_bytes_by_axis)}
     return LayoutCost(peak, axes)
 
@@ -79,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
           f"compute {flops:.3g} FLOP/step at {hw.peak_flops:.3g} FLOP/s x MFU 0.5 per GPU")
     plans, dropped = [], []
     started = time.perf_counter()
-    for cand, why in candidates(ns.nproc, args.n_heads, args.n_kv_heads, batch, ns.seq_len, ns.gpus_per_node):
+    for cand, why in candidates(ns.nproc, args.n_heads, args.n_kv_heads, batch, ns.seq_len, ns.gpus_per_node,
+                                ns.max_pp, args.n_layers):
         if why is None and cand.cp > ns.max_cp:
             why = f"cp {cand.cp} > --max-cp {ns.max_cp}"
         if why is None and ns.max_replicate is not None and cand.dp_replicate > ns.max_replicate:
@@ -104,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                                             ("mixed-precision", ns.mixed_precision)) if on)
     print(f"{PROG}: {len(plans)} valid layouts simulated in {time.perf_counter() - started:.0f} s, "
           f"{len(ranked)} fit, {len(dropped)} dropped")
-    print("overlap: data-parallel traffic (dp_shard, dp_replicate) hides under compute; tp/cp traffic does not")
+    print("overlap: data-parallel traffic (dp_shard, dp_replicate) hides under compute; tp/cp traffic does not"
+          + ("; pp sends do not, and the 1F1B bubble adds (pp - 1)/pp of compute" if ns.max_pp > 1 else ""))
     for i, p in enumerate(ranked[:ns.top], 1):
         comm = ", ".join(f"{a} {t * 1e3:.0f} ms ({p.placement[a]})" for a, t in sorted(p.comm_s.items()))
         print(f"{i}. step {p.step_s:.2f} s (compute {p.compute_s:.2f} s; {comm or 'no communication'}); "

@@ -12,7 +12,10 @@ rank, from the simulation) and a ``Hardware`` profile:
   bandwidth, any other the inter-node one;
 * step time = max(compute, data-parallel communication) + the other axes' communication: the
   data-parallel axes' gathers and reductions overlap with compute (FSDP prefetch, bucketed
-  reductions), tensor- and context-parallel ones sit on the critical path between ops.
+  reductions), tensor- and context-parallel ones sit on the critical path between ops, and so
+  do pipeline sends;
+* a pipeline (1F1B, one microbatch per stage by default) idles ``pp - 1`` microbatch slots of
+  ``microbatches + pp - 1``: compute is multiplied by ``(microbatches + pp - 1) / microbatches``.
 
 A layout whose peak memory exceeds the device's is dropped with that reason.
 """
@@ -59,9 +62,11 @@ class Candidate:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    pp: int = 1
 
     def degrees(self) -> dict[str, int]:
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
+                "pp": self.pp}
 
     def flags(self) -> str:
         return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.degrees().items() if v > 1) or "--dp-shard 1"
@@ -72,18 +77,26 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(world: int, n_heads: int, n_kv_heads: int, global_batch: int, seq_len: int,
-               max_tp: int | None = None) -> Iterator[tuple[Candidate, str | None]]:
-    """Every split of ``world`` into (dp_replicate, dp_shard, cp, tp), with why it is invalid (or None)."""
-    for tp in _divisors(world):
-        for cp in _divisors(world // tp):
-            for rep in _divisors(world // (tp * cp)):
-                shard = world // (tp * cp * rep)
-                c = Candidate(rep, shard, cp, tp)
-                yield c, _invalid(c, n_heads, n_kv_heads, global_batch, seq_len, max_tp)
+               max_tp: int | None = None, max_pp: int = 1,
+               n_layers: int | None = None) -> Iterator[tuple[Candidate, str | None]]:
+    """Every split of ``world`` into (dp_replicate, dp_shard, cp, tp, pp) with ``pp <= max_pp``,
+    with why it is invalid (or None)."""
+    for pp in (d for d in _divisors(world) if d <= max_pp):
+        rest = world // pp
+        for tp in _divisors(rest):
+            for cp in _divisors(rest // tp):
+                for rep in _divisors(rest // (tp * cp)):
+                    shard = rest // (tp * cp * rep)
+                    c = Candidate(rep, shard, cp, tp, pp)
+                    yield c, _invalid(c, n_heads, n_kv_heads, global_batch, seq_len, max_tp, n_layers)
 
 
 def _invalid(c: Candidate, n_heads: int, n_kv_heads: int, global_batch: int, seq_len: int,
-             max_tp: int | None) -> str | None:
+             max_tp: int | None, n_layers: int | None = None) -> str | None:
+    if c.pp > 1 and n_layers is not None and n_layers % c.pp:
+        return f"pp {c.pp} does not divide the {n_layers} layers"
+    if c.pp > 1 and (global_batch // max(c.dp_replicate * c.dp_shard, 1)) % c.pp:
+        return f"the local batch does not split into pp {c.pp} microbatches"
     if n_heads % c.tp or n_kv_heads % c.tp:
         return f"tp {c.tp} does not divide the heads ({n_heads}, kv {n_kv_heads})"
     if max_tp is not None and c.tp > max_tp:
@@ -118,7 +131,7 @@ class Plan:
 
 def axis_links(c: Candidate, gpus_per_node: int) -> dict[str, str]:
     """"intra" or "inter" per mesh axis (flattened names map to their outermost part)."""
-    sizes = {a: getattr(c, a) if a != "pp" else 1 for a in AXIS_ORDER}
+    sizes = {a: getattr(c, a) for a in AXIS_ORDER}
     links, inner = {}, 1
     for a in reversed(AXIS_ORDER):
         inner *= sizes[a]
@@ -136,6 +149,7 @@ def price(c: Candidate, cost: LayoutCost, hw: Hardware, gpus_per_node: int, flop
     comm = {a: b / (hw.intra_node_bw if links.get(a, "inter") == "intra" else hw.inter_node_bw)
             for a, b in cost.comm_bytes_by_axis.items()}
     compute = flops_per_step / (world * hw.peak_flops * MFU)
+    compute *= (c.pp + c.pp - 1) / c.pp  # the 1F1B bubble, microbatches = pp
     overlapped = sum(t for a, t in comm.items() if a in OVERLAPPED_AXES)
     exposed = sum(t for a, t in comm.items() if a not in OVERLAPPED_AXES)
     step = max(compute, overlapped) + exposed

@@ -4,7 +4,8 @@
 memory (parameters, gradients, optimizer state, peak); ``python -m shardwise.train ...
 --simulate`` prints them. ``process_group.py`` is the simulated process group, ``memory.py``
 the live-storage tracker, ``measure.py`` the instruments shared with real runs,
-``symmetry.py`` (pure) which ranks need simulating, ``run.py`` the driver, ``report.py`` the text.
+``symmetry.py`` (pure) which ranks need simulating, ``pipeline.py`` a pipeline stage's
+microbatches in its schedule's order, ``run.py`` the driver, ``report.py`` the text.
 """
 
 from shardwise.simulate.measure import StepMeasurement, measure_step

@@ -7,6 +7,9 @@ runs the trainer's own step (``trainer.train_step``) twice on meta tensors of th
 the first creates the optimizer state, the second, in steady state, is measured
 (``measure.measure_step``: bytes per mesh axis from shardwise's collectives, peak live tensor
 bytes). A real run with ``--metrics-file`` measures its second step with the same instruments.
+With ``--pp`` the stages are built as the trainer builds them (``trainer.build_pipeline``) and
+run by ``pipeline.SimulatedPipeline`` instead of torch's schedule (which cannot run on a
+simulated group).
 
 Assumptions, where a real step's behaviour depends on values: every embedding row lookup may
 fall in any rank's block (meta tensors have no indices; boolean masks keep every element, an
@@ -91,7 +94,8 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
     parameter layouts (to group the other ranks by)."""
     from shardwise.mesh import DeviceMesh
     from shardwise.train.metrics import state_bytes
-    from shardwise.train.trainer import Runtime, build_model, build_optimizer, train_step
+    from shardwise.simulate.pipeline import SimulatedPipeline, boundary_meta
+    from shardwise.train.trainer import Runtime, build_model, build_optimizer, build_pipeline, loss_fn, train_step
     from shardwise import random as sw_random
 
     with simulated_world(rank, job.nproc):
@@ -101,7 +105,14 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
         # The runtime's device is the job's kind (autocast needs one); the blocks stay on meta.
         runtime = Runtime(torch.device("cpu"), rank, job.nproc, dims, world_mesh, flat)
         sw_random.manual_seed(job.seed)
-        model = build_model(job, runtime, materialize=False)
+        runner = None
+        if runtime.pp_mesh is not None:
+            model, real_runner, _ = build_pipeline(job, runtime, materialize=False)
+            runner = SimulatedPipeline([s.submod for s in real_runner.stages], real_runner.indices,
+                                       real_runner.num_stages, runtime.pp_mesh, job.pp_schedule, job.microbatches,
+                                       loss_fn, lambda rows: boundary_meta(job, dims, rows))
+        else:
+            model = build_model(job, runtime, materialize=False)
         optimizer = build_optimizer(job, model)
         shape = (job.global_batch // dims.dp_degree, job.seq_len)
         kept: list[StepMeasurement] = []
@@ -113,7 +124,7 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
                                    lambda: held["state"], kept.append)
                       if index == 1 else contextlib.nullcontext())
             with region, _on_meta():
-                train_step(job, runtime, model, optimizer, inputs, labels)
+                train_step(job, runtime, model, optimizer, inputs, labels, runner)
                 held["state"] = state_bytes(model, optimizer)
                 optimizer.zero_grad(set_to_none=True)
         layouts = layouts_of(model.parameters(), world_mesh)
@@ -121,7 +132,17 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
 
 
 def simulate_job(job) -> SimulationReport:
-    """Simulate one step of ``job`` (a validated ``JobConfig``) on each distinct rank."""
+    """Simulate one step of ``job`` (a validated ``JobConfig``) on each distinct rank.
+
+    Raises:
+        ConfigError: a pipeline schedule the simulation does not run (``SIMULATED_SCHEDULES``).
+    """
+    from shardwise.simulate.pipeline import SIMULATED_SCHEDULES
+    from shardwise.train.config import ConfigError
+
+    if job.pp > 1 and job.pp_schedule not in SIMULATED_SCHEDULES:
+        raise ConfigError(f"--simulate does not simulate --pp-schedule {job.pp_schedule} yet; it simulates "
+                          f"{', '.join(SIMULATED_SCHEDULES)}")
     started = time.perf_counter()
     dims = job.parallel_dims()
     axes = dims.mesh_axes()

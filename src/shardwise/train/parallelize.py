@@ -169,7 +169,7 @@ class LlamaStages:
 
 
 def build_llama_stages(args: ModelArgs, dims: ParallelDims, world_mesh, options: ParallelOptions,
-                       device: torch.device | str, schedule: str) -> LlamaStages:
+                       device: torch.device | str, schedule: str, *, materialize: bool = True) -> LlamaStages:
     """This pipeline rank's stages, each parallelized on its slice of the mesh, with the
     parameters of ``Transformer(args)`` built whole on one device after the same seed.
 
@@ -177,7 +177,8 @@ def build_llama_stages(args: ModelArgs, dims: ParallelDims, world_mesh, options:
     is parallelized as ``parallelize_llama`` does for the whole model; only the stages' modules
     get storage. ``init_weights`` then runs on the whole model, where the other stages' meta
     modules consume their random numbers without drawing (``meta_fills_advance``), so every
-    parameter gets the value it has on one device.
+    parameter gets the value it has on one device. ``materialize=False`` stops after
+    parallelizing (meta blocks, nothing allocated: a simulation).
     """
     from shardwise.parallel.pipeline import split_stage
     from shardwise.parallel.pipeline_split import num_stages, stage_module_paths, stages_of_rank
@@ -191,10 +192,12 @@ def build_llama_stages(args: ModelArgs, dims: ParallelDims, world_mesh, options:
     stages = [split_stage(whole, p) for p in paths]
     for stage in stages:
         parallelize_llama(stage, dims, world_mesh, options)
-        stage.to_empty(device=device)
-    whole.register_buffer("rotary", torch.empty_like(whole.rotary, device=device), persistent=False)
-    with meta_fills_advance():
-        whole.init_weights()
+        if materialize:
+            stage.to_empty(device=device)
+    if materialize:
+        whole.register_buffer("rotary", torch.empty_like(whole.rotary, device=device), persistent=False)
+        with meta_fills_advance():
+            whole.init_weights()
     rank_model = split_stage(whole, [p for per_stage in paths for p in per_stage])
     for module in (*stages, rank_model):
         module.register_buffer("rotary", whole.rotary, persistent=False)  # one tensor: sharded once under cp

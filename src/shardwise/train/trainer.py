@@ -221,12 +221,13 @@ def build_model(job: JobConfig, runtime: Runtime, materialize: bool = True) -> t
     return model
 
 
-def build_pipeline(job: JobConfig, runtime: Runtime):
+def build_pipeline(job: JobConfig, runtime: Runtime, materialize: bool = True):
     """This rank's pipeline stages (parameters of the one-process model) and the runner of its schedule.
 
     Returns ``(model, runner, names)``: ``model`` holds this rank's modules under the whole
     model's paths (optimizer, clipping, checkpoints); ``runner.step`` runs one batch through the
     stages; ``names`` are the whole model's parameter names (for the optimizer's checkpoint).
+    ``materialize=False`` (a simulation): meta blocks, and the stages run on meta tensors.
     """
     from shardwise.parallel.pipeline import PipelineRunner
     from shardwise.train.parallelize import build_llama_stages
@@ -235,12 +236,13 @@ def build_pipeline(job: JobConfig, runtime: Runtime):
     options = ParallelOptions(job.sequence_parallel, job.loss_parallel, job.activation_checkpointing,
                               job.mixed_precision, job.compile_backend if job.compile else None)
     held = build_llama_stages(job.model_args(), runtime.dims, runtime.world_mesh, options, runtime.device,
-                              job.pp_schedule)
+                              job.pp_schedule, materialize=materialize)
     if runtime.cp_mesh is not None:  # as build_model: the table covers one sequence (one tensor, shared)
         rotary = held.model.rotary[:job.seq_len].clone()
         for module in (*held.stages, held.model):
             module.register_buffer("rotary", rotary, persistent=False)
-    runner = PipelineRunner(held.stages, held.indices, held.num_stages, runtime.pp_mesh, runtime.device,
+    device = runtime.device if materialize else torch.device("meta")
+    runner = PipelineRunner(held.stages, held.indices, held.num_stages, runtime.pp_mesh, device,
                             job.pp_schedule, job.microbatches, loss_fn)
     return held.model, runner, held.param_names
 
