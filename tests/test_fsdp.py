@@ -231,6 +231,62 @@ def test_gradient_accumulation_sgd_and_no_grad_eval(dist):
         assert grads_cleared and live == 0  # nothing stays gathered after an eval forward
 
 
+# ---------------------------------------------------------------------- gradient sync off
+MICRO = 3
+
+
+def _no_sync_both_meshes():
+    return [_no_sync_accumulation(shape) for shape in ((4,), (2, 2))]
+
+
+def _no_sync_accumulation(shape: tuple[int, ...]):
+    """Two SGD steps of MICRO microbatches each, gradient sync on only for the last microbatch;
+    on a 2-D mesh (HSDP) as well. Returns the parameters, and the collectives of each backward."""
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = sw.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = _shard_model(_model(), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rank, counts, grads_untouched = dist.get_rank(), [], True
+    for step in range(2):
+        for micro in range(MICRO):
+            model.set_requires_gradient_sync(micro == MICRO - 1)
+            x, y = _local_batch(step * MICRO + micro, rank, 4)
+            loss = nn.functional.mse_loss(model(x), y) / MICRO
+            with CommDebugMode() as comms:
+                loss.backward()
+            counts.append(comms.get_comm_counts())
+            if micro < MICRO - 1:
+                grads_untouched &= all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    # recurse=False turns off the root's own group only: the four blocks still reduce
+    model.set_requires_gradient_sync(False, recurse=False)
+    with CommDebugMode() as comms:
+        nn.functional.mse_loss(model(x), y).backward()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}, counts, grads_untouched, comms.get_comm_counts()
+
+
+def test_set_requires_gradient_sync_reduces_accumulated_grads_once(dist):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        for micro in range(MICRO):
+            x, y = _data(step * MICRO + micro)
+            (nn.functional.mse_loss(model(x), y) / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    groups = 5
+    synced_by_mesh = ({"reduce_scatter": groups}, {"reduce_scatter": groups, "all_reduce": groups})  # 1-D, HSDP
+    for per_mesh in dist.run(4, _no_sync_both_meshes):
+        for synced, (params, counts, grads_untouched, root_off) in zip(synced_by_mesh, per_mesh):
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+            unsynced = {"all_gather": groups}  # backward gathers again (reshard_after_forward), never reduces
+            assert counts == [unsynced, unsynced, {**unsynced, **synced}] * 2, counts
+            assert grads_untouched
+            assert root_off["reduce_scatter"] == groups - 1
+
+
 # ---------------------------------------------------------------------- HSDP
 def _hsdp_parity():
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

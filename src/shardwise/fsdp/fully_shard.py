@@ -47,6 +47,23 @@ class FSDPModule:
         ``[]`` turns prefetching off here."""
         state_of(self).backward_prefetch = _states(modules, "set_modules_to_backward_prefetch")
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turn gradient reduction on or off for this module (and, with ``recurse``, every
+        fully_shard'ed module below it).
+
+        Off: backward reduces nothing; each rank keeps adding its unsharded gradients locally
+        (in the reduce dtype) and ``param.grad`` is left as it was. The next backward with sync
+        on reduces the accumulated sum with one reduce_scatter per group (plus one all_reduce
+        across HSDP replicas), so gradient accumulation over microbatches costs one reduction.
+        Costs the memory of the unsharded gradients meanwhile.
+        """
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync needs a bool, got {requires_gradient_sync!r}")
+        for module in self.modules() if recurse else [self]:
+            state = state_of(module)
+            if state is not None:
+                state.requires_gradient_sync = requires_gradient_sync
+
     def _apply(self, fn, recurse: bool = True):
         """``to_empty`` / ``.to`` / ``.cuda``: move the shards, then rebuild the gathered storage on their device.
 

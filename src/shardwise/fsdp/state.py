@@ -57,6 +57,9 @@ class FSDPState:
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.policy = policy
+        # False: backward keeps the unsharded gradients locally instead of reducing them
+        # (``FSDPModule.set_requires_gradient_sync``); the next synced backward reduces the sum.
+        self.requires_gradient_sync = True
         self.root: FSDPState | None = None
         self.subtree: list[FSDPState] = []
         self._callback_queued = False
@@ -186,12 +189,16 @@ class FSDPState:
     def _reduce(self) -> None:
         """Issue this group's gradient reduce_scatter and free its gathered parameters; the
         reduction lands in ``.grad`` when the next group issues its own or at the end of
-        backward (one in flight at a time: its buffer is one block's gradients)."""
-        root = self._root()
-        if root._reducing is not None:
-            root._reducing.group.finish_reduce()
-        self.group.start_reduce()
-        root._reducing = self
+        backward (one in flight at a time: its buffer is one block's gradients). With gradient
+        sync off, the gradients are kept locally instead (no collective)."""
+        if self.requires_gradient_sync:
+            root = self._root()
+            if root._reducing is not None:
+                root._reducing.group.finish_reduce()
+            self.group.start_reduce()
+            root._reducing = self
+        else:
+            self.group.keep_grads()
         self.group.use_sharded()
         self.group.reshard()
         self._grads_ready = 0
@@ -209,7 +216,8 @@ class FSDPState:
         """Root only: reduce what is still pending (in a fixed order on every rank), free the rest."""
         self._callback_queued = False
         for state in self.subtree or [self]:
-            if state._pending_reduce:
+            # also a group that kept gradients in an unsynced backward but did not run in this one
+            if state._pending_reduce or (state.requires_gradient_sync and state.group.has_kept_grads):
                 state._reduce()
             state.group.use_sharded()
             state.group.reshard()
