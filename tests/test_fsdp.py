@@ -171,7 +171,7 @@ def test_flat_layout_round_trips_uneven_and_empty_shards():
 
 
 # ---------------------------------------------------------------------- collectives per group
-def _counts(reshard_after_forward: bool):
+def _counts(reshard_after_forward: bool | None):
     mesh = sw.init_device_mesh("cpu", (4,))
     model = _shard_model(_model(), mesh, reshard_after_forward=reshard_after_forward)
     x, y = _local_batch(0, mesh.get_local_rank(), 4)
@@ -184,14 +184,22 @@ def _counts(reshard_after_forward: bool):
     return fwd.get_comm_counts(), bwd.get_comm_counts(), after
 
 
+def _counts_per_setting():
+    return {setting: _counts(setting) for setting in (True, False, None)}
+
+
 def test_one_all_gather_and_one_reduce_scatter_per_group(dist):
     groups = 5  # four blocks and the root (inp + head)
-    for fwd, bwd, after in dist.run(4, _counts, True):
+    for per_setting in dist.run(4, _counts_per_setting):
+        fwd, bwd, after = per_setting[True]
         assert fwd == {"all_gather": groups}
         assert bwd == {"all_gather": groups, "reduce_scatter": groups}  # gathered again for backward
         assert set(after) == {("DTensor", True)}
-    for fwd, bwd, _ in dist.run(4, _counts, False):
+        fwd, bwd, _ = per_setting[False]
         assert fwd == {"all_gather": groups} and bwd == {"reduce_scatter": groups}
+        # the default (None): the blocks reshard, the root keeps its parameters for backward
+        fwd, bwd, _ = per_setting[None]
+        assert fwd == {"all_gather": groups} and bwd == {"all_gather": groups - 1, "reduce_scatter": groups}
 
 
 # ---------------------------------------------------------------------- eval, accumulation, SGD
@@ -281,7 +289,8 @@ def test_set_requires_gradient_sync_reduces_accumulated_grads_once(dist):
         for synced, (params, counts, grads_untouched, root_off) in zip(synced_by_mesh, per_mesh):
             for name, p in model.named_parameters():
                 torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
-            unsynced = {"all_gather": groups}  # backward gathers again (reshard_after_forward), never reduces
+            # backward gathers the blocks again (the root kept its parameters), never reduces
+            unsynced = {"all_gather": groups - 1}
             assert counts == [unsynced, unsynced, {**unsynced, **synced}] * 2, counts
             assert grads_untouched
             assert root_off["reduce_scatter"] == groups - 1
@@ -305,7 +314,9 @@ def test_hsdp_matches_single_device_training(dist):
     _check_parity([o[0] for o in out], lambda r: r, 4)  # every rank is its own data-parallel rank
     for _, placements, counts, kinds in out:
         assert placements == {(Replicate(), Shard(0))}
-        assert counts == {"all_gather": 10, "reduce_scatter": 5, "all_reduce": 5}
+        # 5 gathers in forward, 4 in backward: the root keeps its parameters after forward (the
+        # reshard_after_forward default, None, is False for the root, as in torch's FSDP2)
+        assert counts == {"all_gather": 9, "reduce_scatter": 5, "all_reduce": 5}
         assert kinds == [("all_gather", "shard"), ("all_reduce", "replicate"), ("reduce_scatter", "shard")]
 
 

@@ -50,12 +50,12 @@ class FSDPState:
     """Hooks and flags of one fully_shard'ed module."""
 
     def __init__(
-        self, module: nn.Module, label: str, group: ParamGroup, reshard_after_forward: bool, policy: MixedPrecisionPolicy
+        self, module: nn.Module, label: str, group: ParamGroup, reshard_after_forward: bool | None, policy: MixedPrecisionPolicy
     ) -> None:
         self.module = module
         self.label = label
         self.group = group
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # None: True except for the root
         self.policy = policy
         # False: backward keeps the unsharded gradients locally instead of reducing them
         # (``FSDPModule.set_requires_gradient_sync``); the next synced backward reduces the sum.
@@ -164,7 +164,8 @@ class FSDPState:
         if backward_follows:
             self._pending_reduce = True
             on_output_grad(output, self._pre_backward)
-        if not backward_follows or self.reshard_after_forward:
+        reshard = self.reshard_after_forward if self.reshard_after_forward is not None else self.root is not self
+        if not backward_follows or reshard:
             self.group.reshard()
         if self.policy.output_dtype is not None:
             output = _cast_floats(output, self.policy.output_dtype)
