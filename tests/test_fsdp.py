@@ -602,3 +602,48 @@ def test_parameters_no_rank_used_keep_grad_none(dist):
         assert grads["never.weight"] is None and grads["never.bias"] is None
         for name in ("always.weight", "always.bias", "sometimes.weight", "sometimes.bias"):
             torch.testing.assert_close(grads[name], dict(model.named_parameters())[name].grad / 4)
+
+
+# ---------------------------------------------------------------------- one-row parameters
+def _one_row_steps():
+    """A [1, 6] output weight over 4 ranks (three empty shards): optimizers step it in place."""
+    mesh = sw.init_device_mesh("cpu", (4,))
+    out = {}
+    for name, make in _ONE_ROW_OPTIMIZERS.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 1))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = make(model.parameters())
+        for step in range(2):
+            x, y = _local_batch(step, mesh.get_local_rank(), 4)
+            nn.functional.mse_loss(model(x), y[:, :1]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = ({n: p.full_tensor() for n, p in model.named_parameters()},
+                     {n: p.placements for n, p in model.named_parameters()})
+    return out
+
+
+_ONE_ROW_OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
+    "sgd_foreach_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.02, foreach=False),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=0.02, foreach=True),
+}
+
+
+def test_optimizers_step_parameters_whose_shards_are_empty_on_some_ranks(dist):
+    for per_optimizer in dist.run(4, _one_row_steps):
+        for name, (params, placements) in per_optimizer.items():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 1))
+            opt = _ONE_ROW_OPTIMIZERS[name](model.parameters())
+            for step in range(2):
+                x, y = _data(step)
+                nn.functional.mse_loss(model(x), y[:, :1]).backward()
+                opt.step()
+                opt.zero_grad()
+            assert set(placements.values()) == {(Shard(0),)}, (name, placements)  # still sharded after the steps
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{name} {n}")
