@@ -220,15 +220,15 @@ class _Piped:
 
 
 def _pipeline_fsdp_step():
-    """pp=2 x dp=2, 2 microbatches, gpipe and 1f1b: one step each; the stage's gradients and the
-    reduce_scatters each step issued."""
+    """pp=2 x dp=2, 2 microbatches, FSDP (gpipe and 1f1b) or DDP stages: the stage's gradients
+    after one step, and the reduce_scatters and all_reduces that step issued."""
     import torch
     import torch.distributed as dist
     from torch import nn
 
     import shardwise as sw
     from shardwise.debug import CommDebugMode
-    from shardwise.fsdp import fully_shard
+    from shardwise.fsdp import fully_shard, replicate
     from shardwise.parallel.pipeline import PipelineRunner, split_stage
 
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -237,12 +237,15 @@ def _pipeline_fsdp_step():
     x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
     keep = (["inp", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"])[pp]
     out = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule, data_parallel in (("gpipe", "fsdp"), ("1f1b", "fsdp"), ("1f1b", "ddp")):
         stage = split_stage(_Piped.build(), keep)
-        for name in keep:
-            if name.startswith("layers."):
-                fully_shard(stage.layers[name.split(".")[1]], mesh=mesh["dp"])
-        fully_shard(stage, mesh=mesh["dp"])
+        if data_parallel == "ddp":
+            replicate(stage, mesh=mesh["dp"])
+        else:
+            for name in keep:
+                if name.startswith("layers."):
+                    fully_shard(stage.layers[name.split(".")[1]], mesh=mesh["dp"])
+            fully_shard(stage, mesh=mesh["dp"])
         runner = PipelineRunner([stage], [pp], 2, mesh["pp"], torch.device("cpu"), schedule, 2,
                                 lambda out, target: nn.functional.mse_loss(out, target))
         batch = (x[dp * 4:(dp + 1) * 4], y[dp * 4:(dp + 1) * 4])
@@ -253,7 +256,8 @@ def _pipeline_fsdp_step():
         with CommDebugMode() as comms:
             runner.step(*batch)
         grads = {n: p.grad.full_tensor() for n, p in stage.named_parameters()}
-        out[schedule] = (grads, comms.get_comm_counts().get("reduce_scatter", 0))
+        counts = comms.get_comm_counts()
+        out[schedule, data_parallel] = (grads, counts.get("reduce_scatter", 0), counts.get("all_reduce", 0))
     dist.barrier()
     return out
 
@@ -268,9 +272,10 @@ def test_pipeline_stages_reduce_fsdp_gradients_once_per_step(dist):
     nn.functional.mse_loss(model(x), y).backward()  # mean of the microbatch means: the batch mean
     want = {n: p.grad for n, p in model.named_parameters()}
     for per_schedule in dist.run(4, _pipeline_fsdp_step):
-        for grads, reduce_scatters in per_schedule.values():
+        for (_, data_parallel), (grads, reduce_scatters, all_reduces) in per_schedule.items():
             assert grads and set(grads) <= set(want)
             for name, grad in grads.items():
                 torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
-            # three groups per stage (two blocks and the stage root), each reduced once, not per microbatch
-            assert reduce_scatters == 3
+            # FSDP: three groups per stage (two blocks and the stage root); DDP: one bucket.
+            # Each is reduced once per step, not once per microbatch.
+            assert (reduce_scatters, all_reduces) == ((3, 0) if data_parallel == "fsdp" else (0, 1))

@@ -11,10 +11,10 @@ slice) as the whole model would be. Between stages only plain tensors travel: th
 outputs are plain local tensors (tensor-parallel blocks end in a rowwise layer whose output is
 local), so ``torch.distributed.pipelining`` carries them unchanged on the pipeline axis's
 process group, and its schedules (GPipe, 1F1B, interleaved 1F1B) run shardwise stages as they
-run torch's own. A stage's fully_shard'ed modules reduce their gradients once per step: every
-microbatch's backward but the last runs with gradient sync off (the unsharded gradients add up
-locally), the last one reduces the sum (``set_requires_gradient_sync``), as torch's stages do
-for torch's FSDP. Microbatch gradients add up and are divided by the number of microbatches
+run torch's own. A stage's fully_shard'ed (or replicate'd) modules reduce their gradients once
+per step: every microbatch's backward but the last runs with gradient sync off (the gradients
+add up locally), the last one reduces the sum (``set_requires_gradient_sync``), as torch's
+stages do for torch's FSDP and DDP. Microbatch gradients add up and are divided by the number of microbatches
 (the schedule's ``scale_grads``): the loss is the mean over microbatches, the one-process
 loss when microbatches hold equally many tokens.
 
@@ -83,10 +83,13 @@ def share_loss(loss: torch.Tensor | None, pp_mesh, device: torch.device) -> torc
 
 
 def set_gradient_sync(module: nn.Module, on: bool) -> int:
-    """Turn gradient reduction on or off for every fully_shard'ed module in ``module``; how many."""
+    """Turn gradient reduction on or off for every fully_shard'ed or replicate'd module in
+    ``module``; how many there are."""
+    from shardwise.fsdp.replicate import STATE_ATTR as REPLICATE_ATTR
     from shardwise.fsdp.state import state_of
 
-    states = [state for m in module.modules() if (state := state_of(m)) is not None]
+    states = [state for m in module.modules()
+              if (state := state_of(m) or m.__dict__.get(REPLICATE_ATTR)) is not None]
     for state in states:
         state.requires_gradient_sync = on
     return len(states)
