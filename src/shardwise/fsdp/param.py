@@ -96,6 +96,8 @@ class FSDPParam:
         new._local = new.unsharded._local_tensor if new.inner_spec else new.unsharded
         new._local.untyped_storage().resize_(0)
         new.is_allocated = False
+        if self._kept_grad is not None:  # an unsynced backward's sum: the copy's own
+            new._kept_grad = self._kept_grad.clone()
         if self.is_allocated:
             new.allocate()
             new.padded_writer().copy_(self.padded_writer())
