@@ -171,7 +171,7 @@ def test_flat_layout_round_trips_uneven_and_empty_shards():
 
 
 # ---------------------------------------------------------------------- collectives per group
-def _counts(reshard_after_forward: bool):
+def _counts(reshard_after_forward: bool | None):
     mesh = sw.init_device_mesh("cpu", (4,))
     model = _shard_model(_model(), mesh, reshard_after_forward=reshard_after_forward)
     x, y = _local_batch(0, mesh.get_local_rank(), 4)
@@ -184,14 +184,22 @@ def _counts(reshard_after_forward: bool):
     return fwd.get_comm_counts(), bwd.get_comm_counts(), after
 
 
+def _counts_per_setting():
+    return {setting: _counts(setting) for setting in (True, False, None)}
+
+
 def test_one_all_gather_and_one_reduce_scatter_per_group(dist):
     groups = 5  # four blocks and the root (inp + head)
-    for fwd, bwd, after in dist.run(4, _counts, True):
+    for per_setting in dist.run(4, _counts_per_setting):
+        fwd, bwd, after = per_setting[True]
         assert fwd == {"all_gather": groups}
         assert bwd == {"all_gather": groups, "reduce_scatter": groups}  # gathered again for backward
         assert set(after) == {("DTensor", True)}
-    for fwd, bwd, _ in dist.run(4, _counts, False):
+        fwd, bwd, _ = per_setting[False]
         assert fwd == {"all_gather": groups} and bwd == {"reduce_scatter": groups}
+        # the default (None): the blocks reshard, the root keeps its parameters for backward
+        fwd, bwd, _ = per_setting[None]
+        assert fwd == {"all_gather": groups} and bwd == {"all_gather": groups - 1, "reduce_scatter": groups}
 
 
 # ---------------------------------------------------------------------- eval, accumulation, SGD
@@ -231,6 +239,63 @@ def test_gradient_accumulation_sgd_and_no_grad_eval(dist):
         assert grads_cleared and live == 0  # nothing stays gathered after an eval forward
 
 
+# ---------------------------------------------------------------------- gradient sync off
+MICRO = 3
+
+
+def _no_sync_both_meshes():
+    return [_no_sync_accumulation(shape) for shape in ((4,), (2, 2))]
+
+
+def _no_sync_accumulation(shape: tuple[int, ...]):
+    """Two SGD steps of MICRO microbatches each, gradient sync on only for the last microbatch;
+    on a 2-D mesh (HSDP) as well. Returns the parameters, and the collectives of each backward."""
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = sw.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = _shard_model(_model(), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rank, counts, grads_untouched = dist.get_rank(), [], True
+    for step in range(2):
+        for micro in range(MICRO):
+            model.set_requires_gradient_sync(micro == MICRO - 1)
+            x, y = _local_batch(step * MICRO + micro, rank, 4)
+            loss = nn.functional.mse_loss(model(x), y) / MICRO
+            with CommDebugMode() as comms:
+                loss.backward()
+            counts.append(comms.get_comm_counts())
+            if micro < MICRO - 1:
+                grads_untouched &= all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    # recurse=False turns off the root's own group only: the four blocks still reduce
+    model.set_requires_gradient_sync(False, recurse=False)
+    with CommDebugMode() as comms:
+        nn.functional.mse_loss(model(x), y).backward()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}, counts, grads_untouched, comms.get_comm_counts()
+
+
+def test_set_requires_gradient_sync_reduces_accumulated_grads_once(dist):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        for micro in range(MICRO):
+            x, y = _data(step * MICRO + micro)
+            (nn.functional.mse_loss(model(x), y) / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    groups = 5
+    synced_by_mesh = ({"reduce_scatter": groups}, {"reduce_scatter": groups, "all_reduce": groups})  # 1-D, HSDP
+    for per_mesh in dist.run(4, _no_sync_both_meshes):
+        for synced, (params, counts, grads_untouched, root_off) in zip(synced_by_mesh, per_mesh):
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+            # backward gathers the blocks again (the root kept its parameters), never reduces
+            unsynced = {"all_gather": groups - 1}
+            assert counts == [unsynced, unsynced, {**unsynced, **synced}] * 2, counts
+            assert grads_untouched
+            assert root_off["reduce_scatter"] == groups - 1
+
+
 # ---------------------------------------------------------------------- HSDP
 def _hsdp_parity():
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -249,7 +314,9 @@ def test_hsdp_matches_single_device_training(dist):
     _check_parity([o[0] for o in out], lambda r: r, 4)  # every rank is its own data-parallel rank
     for _, placements, counts, kinds in out:
         assert placements == {(Replicate(), Shard(0))}
-        assert counts == {"all_gather": 10, "reduce_scatter": 5, "all_reduce": 5}
+        # 5 gathers in forward, 4 in backward: the root keeps its parameters after forward (the
+        # reshard_after_forward default, None, is False for the root, as in torch's FSDP2)
+        assert counts == {"all_gather": 9, "reduce_scatter": 5, "all_reduce": 5}
         assert kinds == [("all_gather", "shard"), ("all_reduce", "replicate"), ("reduce_scatter", "shard")]
 
 
@@ -535,3 +602,48 @@ def test_parameters_no_rank_used_keep_grad_none(dist):
         assert grads["never.weight"] is None and grads["never.bias"] is None
         for name in ("always.weight", "always.bias", "sometimes.weight", "sometimes.bias"):
             torch.testing.assert_close(grads[name], dict(model.named_parameters())[name].grad / 4)
+
+
+# ---------------------------------------------------------------------- one-row parameters
+def _one_row_steps():
+    """A [1, 6] output weight over 4 ranks (three empty shards): optimizers step it in place."""
+    mesh = sw.init_device_mesh("cpu", (4,))
+    out = {}
+    for name, make in _ONE_ROW_OPTIMIZERS.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 1))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = make(model.parameters())
+        for step in range(2):
+            x, y = _local_batch(step, mesh.get_local_rank(), 4)
+            nn.functional.mse_loss(model(x), y[:, :1]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = ({n: p.full_tensor() for n, p in model.named_parameters()},
+                     {n: p.placements for n, p in model.named_parameters()})
+    return out
+
+
+_ONE_ROW_OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
+    "sgd_foreach_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.02, foreach=False),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=0.02, foreach=True),
+}
+
+
+def test_optimizers_step_parameters_whose_shards_are_empty_on_some_ranks(dist):
+    for per_optimizer in dist.run(4, _one_row_steps):
+        for name, (params, placements) in per_optimizer.items():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 1))
+            opt = _ONE_ROW_OPTIMIZERS[name](model.parameters())
+            for step in range(2):
+                x, y = _data(step)
+                nn.functional.mse_loss(model(x), y[:, :1]).backward()
+                opt.step()
+                opt.zero_grad()
+            assert set(placements.values()) == {(Shard(0),)}, (name, placements)  # still sharded after the steps
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{name} {n}")

@@ -190,3 +190,92 @@ def test_stages_run_in_sequence_equal_the_whole_model_and_keep_its_keys():
         split_stage(whole, ["layers.9"])
     with pytest.raises(ValueError, match=r"split_stage: 'head' names no module of Transformer"):
         split_stage(whole, ["head"])
+
+
+# ---------------------------------------------------------------------- FSDP reduction once per step
+class _Piped:
+    """A tiny model splittable by ``split_stage``: its forward skips the modules a stage lacks."""
+
+    @staticmethod
+    def build():
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inp = nn.Linear(5, 6)
+                self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 6))
+                                             for i in range(4)})
+                self.head = nn.Linear(6, 3)
+
+            def forward(self, x):
+                x = self.inp(x) if self.inp is not None else x
+                for layer in self.layers.values():
+                    x = x + layer(x)
+                return self.head(x) if self.head is not None else x
+
+        torch.manual_seed(0)
+        return Net()
+
+
+def _pipeline_fsdp_step():
+    """pp=2 x dp=2, 2 microbatches, FSDP (gpipe and 1f1b) or DDP stages: the stage's gradients
+    after one step, and the reduce_scatters and all_reduces that step issued."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import shardwise as sw
+    from shardwise.debug import CommDebugMode
+    from shardwise.fsdp import fully_shard, replicate
+    from shardwise.parallel.pipeline import PipelineRunner, split_stage
+
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+    keep = (["inp", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"])[pp]
+    out = {}
+    for schedule, data_parallel in (("gpipe", "fsdp"), ("1f1b", "fsdp"), ("1f1b", "ddp")):
+        stage = split_stage(_Piped.build(), keep)
+        if data_parallel == "ddp":
+            replicate(stage, mesh=mesh["dp"])
+        else:
+            for name in keep:
+                if name.startswith("layers."):
+                    fully_shard(stage.layers[name.split(".")[1]], mesh=mesh["dp"])
+            fully_shard(stage, mesh=mesh["dp"])
+        runner = PipelineRunner([stage], [pp], 2, mesh["pp"], torch.device("cpu"), schedule, 2,
+                                lambda out, target: nn.functional.mse_loss(out, target))
+        batch = (x[dp * 4:(dp + 1) * 4], y[dp * 4:(dp + 1) * 4])
+        # The first step infers the stages' shapes with autograd.grad, which the module
+        # tracking of CommDebugMode (an "all" gradient hook on the leaf stage input) cannot be in.
+        runner.step(*batch)
+        stage.zero_grad()
+        with CommDebugMode() as comms:
+            runner.step(*batch)
+        grads = {n: p.grad.full_tensor() for n, p in stage.named_parameters()}
+        counts = comms.get_comm_counts()
+        out[schedule, data_parallel] = (grads, counts.get("reduce_scatter", 0), counts.get("all_reduce", 0))
+    dist.barrier()
+    return out
+
+
+def test_pipeline_stages_reduce_fsdp_gradients_once_per_step(dist):
+    import torch
+    from torch import nn
+
+    model = _Piped.build()
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+    nn.functional.mse_loss(model(x), y).backward()  # mean of the microbatch means: the batch mean
+    want = {n: p.grad for n, p in model.named_parameters()}
+    for per_schedule in dist.run(4, _pipeline_fsdp_step):
+        for (_, data_parallel), (grads, reduce_scatters, all_reduces) in per_schedule.items():
+            assert grads and set(grads) <= set(want)
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
+            # FSDP: three groups per stage (two blocks and the stage root); DDP: one bucket.
+            # Each is reduced once per step, not once per microbatch.
+            assert (reduce_scatters, all_reduces) == ((3, 0) if data_parallel == "fsdp" else (0, 1))

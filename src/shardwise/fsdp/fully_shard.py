@@ -47,6 +47,23 @@ class FSDPModule:
         ``[]`` turns prefetching off here."""
         state_of(self).backward_prefetch = _states(modules, "set_modules_to_backward_prefetch")
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turn gradient reduction on or off for this module (and, with ``recurse``, every
+        fully_shard'ed module below it).
+
+        Off: backward reduces nothing; each rank keeps adding its unsharded gradients locally
+        (in the reduce dtype) and ``param.grad`` is left as it was. The next backward with sync
+        on reduces the accumulated sum with one reduce_scatter per group (plus one all_reduce
+        across HSDP replicas), so gradient accumulation over microbatches costs one reduction.
+        Costs the memory of the unsharded gradients meanwhile.
+        """
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync needs a bool, got {requires_gradient_sync!r}")
+        for module in self.modules() if recurse else [self]:
+            state = state_of(module)
+            if state is not None:
+                state.requires_gradient_sync = requires_gradient_sync
+
     def _apply(self, fn, recurse: bool = True):
         """``to_empty`` / ``.to`` / ``.cuda``: move the shards, then rebuild the gathered storage on their device.
 
@@ -77,7 +94,7 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not in a fully_shard'ed submodule) over ``mesh``.
@@ -103,7 +120,9 @@ def fully_shard(
         module: the module (changed in place and returned, its class gains ``FSDPModule``).
         mesh: 1-D data-parallel mesh, or 2-D (replicate, shard) for HSDP; default: the world.
         reshard_after_forward: free the gathered parameters after forward and gather them
-            again for backward (False keeps them until the gradients are reduced).
+            again for backward (False keeps them until the gradients are reduced). None (the
+            default): True, except for the root (the outermost module run), whose backward
+            starts right after its forward, so gathering it again would be wasted.
         mp_policy: dtypes for compute, gradient reduction and outputs.
 
     Returns:
@@ -126,8 +145,8 @@ def fully_shard(
         raise TypeError(f"fully_shard needs an nn.Module, got {label}")
     if state_of(module) is not None:
         raise ValueError(f"fully_shard was already applied to {state_of(module).label}; apply it once per module")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"{where}: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"{where}: reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"{where}: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     dp = DataParallelMesh.of(mesh if mesh is not None else world_mesh(), where)

@@ -107,6 +107,16 @@ class ParamGroup:
         self.start_reduce()
         self.finish_reduce()
 
+    def keep_grads(self) -> None:
+        """Gradient sync off: add the unsharded gradients into per-parameter sums (reduce dtype)
+        that the next ``start_reduce`` includes; no collective."""
+        for p in self.params:
+            p.keep_unsharded_grad(self.reduce_dtype)
+
+    @property
+    def has_kept_grads(self) -> bool:
+        return any(p.has_kept_grad for p in self.params)
+
     def start_reduce(self) -> None:
         """Pack the unsharded gradients, issue their reduce_scatter without waiting, drop them.
 

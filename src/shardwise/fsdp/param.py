@@ -96,6 +96,8 @@ class FSDPParam:
         new._local = new.unsharded._local_tensor if new.inner_spec else new.unsharded
         new._local.untyped_storage().resize_(0)
         new.is_allocated = False
+        if self._kept_grad is not None:  # an unsynced backward's sum: the copy's own
+            new._kept_grad = self._kept_grad.clone()
         if self.is_allocated:
             new.allocate()
             new.padded_writer().copy_(self.padded_writer())
@@ -169,7 +171,15 @@ class FSDPParam:
 
     # ------------------------------------------------------------------ gradients
     def unsharded_grad(self) -> torch.Tensor | None:
-        """The gradient of the whole block as a plain tensor, in the inner layout if any."""
+        """The gradient of the whole block as a plain tensor, in the inner layout if any (with
+        the sum kept by unsynced backward passes)."""
+        grad, kept = self._new_grad(), self._kept_grad
+        if kept is None:
+            return grad
+        return kept if grad is None else kept + grad.to(kept.dtype)
+
+    def _new_grad(self) -> torch.Tensor | None:
+        """The gradient of the backward passes since the last reduce or keep, as a plain tensor."""
         grad = self.unsharded.grad
         if grad is None or self.inner_spec is None:
             return grad
@@ -179,6 +189,25 @@ class FSDPParam:
 
     def clear_unsharded_grad(self) -> None:
         self.unsharded.grad = None
+        self._kept_grad = None
+
+    _kept_grad: torch.Tensor | None = None  # unsynced backwards' gradient sum (plain, reduce dtype)
+
+    @property
+    def has_kept_grad(self) -> bool:
+        return self._kept_grad is not None or self.unsharded.grad is not None
+
+    def keep_unsharded_grad(self, dtype: torch.dtype) -> None:
+        """Gradient sync off: move the unsharded gradient into the local sum (in ``dtype``, so
+        low-precision compute gradients accumulate in the reduce precision)."""
+        grad = self._new_grad()
+        self.unsharded.grad = None
+        if grad is None:
+            return
+        if self._kept_grad is None:
+            self._kept_grad = grad.to(dtype)
+        else:
+            self._kept_grad.add_(grad.to(dtype))
 
     def accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
         """Add a reduced shard gradient into ``sharded.grad`` (a DTensor laid out like the parameter)."""

@@ -105,6 +105,9 @@ class ReplicateState:
         self._next = 0  # first bucket not yet reduced in this backward
         self._pending = False
         self._callback_queued = False
+        # False: backward leaves the gradients in the replicas' ``.grad`` (they add up over
+        # backward passes) and reduces nothing; the next synced backward reduces the sum.
+        self.requires_gradient_sync = True
         self._inflight: list[tuple] = []  # (Pending all_reduce, bucket index, sizes) not yet waited
 
     def install(self) -> None:
@@ -150,6 +153,8 @@ class ReplicateState:
         self._pending = self._pending or (torch.is_grad_enabled() and bool(self.buckets))
 
     def _on_grad(self, index: int) -> None:
+        if not self.requires_gradient_sync:
+            return
         if not self._callback_queued:
             self._callback_queued = True
             queue_end_of_backward(self._end_of_backward)

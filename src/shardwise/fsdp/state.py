@@ -51,13 +51,16 @@ class FSDPState:
     """Hooks and flags of one fully_shard'ed module."""
 
     def __init__(
-        self, module: nn.Module, label: str, group: ParamGroup, reshard_after_forward: bool, policy: MixedPrecisionPolicy
+        self, module: nn.Module, label: str, group: ParamGroup, reshard_after_forward: bool | None, policy: MixedPrecisionPolicy
     ) -> None:
         self.module = module
         self.label = label
         self.group = group
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # None: True except for the root
         self.policy = policy
+        # False: backward keeps the unsharded gradients locally instead of reducing them
+        # (``FSDPModule.set_requires_gradient_sync``); the next synced backward reduces the sum.
+        self.requires_gradient_sync = True
         self.root: FSDPState | None = None
         self.subtree: list[FSDPState] = []
         self._callback_queued = False
@@ -165,7 +168,8 @@ class FSDPState:
         if backward_follows:
             self._pending_reduce = True
             on_output_grad(output, self._pre_backward)
-        if not backward_follows or self.reshard_after_forward:
+        reshard = self.reshard_after_forward if self.reshard_after_forward is not None else self.root is not self
+        if not backward_follows or reshard:
             self.group.reshard()
         if self.policy.output_dtype is not None:
             output = _cast_floats(output, self.policy.output_dtype)
@@ -190,12 +194,16 @@ class FSDPState:
     def _reduce(self) -> None:
         """Issue this group's gradient reduce_scatter and free its gathered parameters; the
         reduction lands in ``.grad`` when the next group issues its own or at the end of
-        backward (one in flight at a time: its buffer is one block's gradients)."""
-        root = self._root()
-        if root._reducing is not None:
-            root._reducing.group.finish_reduce()
-        self.group.start_reduce()
-        root._reducing = self
+        backward (one in flight at a time: its buffer is one block's gradients). With gradient
+        sync off, the gradients are kept locally instead (no collective)."""
+        if self.requires_gradient_sync:
+            root = self._root()
+            if root._reducing is not None:
+                root._reducing.group.finish_reduce()
+            self.group.start_reduce()
+            root._reducing = self
+        else:
+            self.group.keep_grads()
         self.group.use_sharded()
         self.group.reshard()
         self._grads_ready = 0
@@ -213,7 +221,8 @@ class FSDPState:
         """Root only: reduce what is still pending (in a fixed order on every rank), free the rest."""
         self._callback_queued = False
         for state in self.subtree or [self]:
-            if state._pending_reduce:
+            # also a group that kept gradients in an unsynced backward but did not run in this one
+            if state._pending_reduce or (state.requires_gradient_sync and state.group.has_kept_grads):
                 state._reduce()
             state.group.use_sharded()
             state.group.reshard()

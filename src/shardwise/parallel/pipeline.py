@@ -11,7 +11,10 @@ slice) as the whole model would be. Between stages only plain tensors travel: th
 outputs are plain local tensors (tensor-parallel blocks end in a rowwise layer whose output is
 local), so ``torch.distributed.pipelining`` carries them unchanged on the pipeline axis's
 process group, and its schedules (GPipe, 1F1B, interleaved 1F1B) run shardwise stages as they
-run torch's own. Microbatch gradients add up and are divided by the number of microbatches
+run torch's own. A stage's fully_shard'ed (or replicate'd) modules reduce their gradients once
+per step: every microbatch's backward but the last runs with gradient sync off (the gradients
+add up locally), the last one reduces the sum (``set_requires_gradient_sync``), as torch's
+stages do for torch's FSDP and DDP. Microbatch gradients add up and are divided by the number of microbatches
 (the schedule's ``scale_grads``): the loss is the mean over microbatches, the one-process
 loss when microbatches hold equally many tokens.
 
@@ -30,7 +33,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.parallel.pipeline_split import SCHEDULES
 
-__all__ = ["split_stage", "PipelineRunner", "share_loss"]
+__all__ = ["split_stage", "PipelineRunner", "share_loss", "set_gradient_sync"]
 
 
 def split_stage(model: nn.Module, keep: Sequence[str]) -> nn.Module:
@@ -97,6 +100,38 @@ def _count_sends(stage, pp_mesh) -> None:
     stage.get_bwd_send_ops = counted(stage.get_bwd_send_ops)
 
 
+def set_gradient_sync(module: nn.Module, on: bool) -> int:
+    """Turn gradient reduction on or off for every fully_shard'ed or replicate'd module in
+    ``module``; how many there are."""
+    from shardwise.fsdp.replicate import STATE_ATTR as REPLICATE_ATTR
+    from shardwise.fsdp.state import state_of
+
+    states = [state for m in module.modules()
+              if (state := state_of(m) or m.__dict__.get(REPLICATE_ATTR)) is not None]
+    for state in states:
+        state.requires_gradient_sync = on
+    return len(states)
+
+
+_STAGE_CLASS: type | None = None
+
+
+def _stage_class() -> type:
+    """torch's ``PipelineStage`` whose backward reduces a stage's fully_shard gradients on the
+    last microbatch only (torch's own stage does so for torch's FSDP modules alone)."""
+    global _STAGE_CLASS
+    if _STAGE_CLASS is None:
+        from torch.distributed.pipelining import PipelineStage
+
+        class _ReduceOnceStage(PipelineStage):
+            def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+                set_gradient_sync(self.submod, bool(last_backward))
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+        _STAGE_CLASS = _ReduceOnceStage
+    return _STAGE_CLASS
+
+
 class PipelineRunner:
     """The stages of one pipeline rank and the schedule that runs them (torch.distributed.pipelining).
 
@@ -121,8 +156,8 @@ class PipelineRunner:
         group = pp_mesh.get_group()
         self.indices = list(indices)
         self.num_stages = num_stages
-        self.stages = [pipelining.PipelineStage(m, i, num_stages, device, group=group)
-                       for m, i in zip(stages, indices)]
+        stage_class = _stage_class()
+        self.stages = [stage_class(m, i, num_stages, device, group=group) for m, i in zip(stages, indices)]
         self.has_first = 0 in self.indices
         self.has_last = num_stages - 1 in self.indices
         kind = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,

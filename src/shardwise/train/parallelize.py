@@ -325,7 +325,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, mixed_precision: bool, api: ParallelAP
     Each block is its own unit (its parameters are gathered just before it runs and freed
     after); the root unit holds the embedding, final norm and output. The last block keeps its
     parameters after forward, since backward needs them first, and so does the root (its
-    output layer runs first in backward), as torch's FSDP2 does for a root left at its default.
+    output layer runs first in backward): fully_shard's default for the root, as in torch's FSDP2.
     """
     api = api or shardwise_api()
     fully_shard, MixedPrecisionPolicy = api.fully_shard, api.MixedPrecisionPolicy
@@ -334,7 +334,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, mixed_precision: bool, api: ParallelAP
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)  # the root keeps its parameters (default)
 
 
 def apply_ddp(model: nn.Module, dp_mesh, api: ParallelAPI | None = None) -> None:

@@ -46,13 +46,15 @@ def num_tensor_outputs(op: Any) -> int:
     return sum("Tensor" in str(r.type) for r in op._schema.returns)
 
 
-def broadcast_dim(spec: DTensorSpec, out_shape: tuple[int, ...], out_dim: int) -> Placement:
+def broadcast_dim(spec: DTensorSpec, out_shape: tuple[int, ...], out_dim: int, singleton: bool = False) -> Placement:
     """How an input must be laid out on one axis for the output to be Shard(out_dim) there.
 
     Shard on the matching input dim, or Replicate when that dim is broadcast (absent or 1).
+    ``singleton``: the output dim has size 1 and is sharded, so an input dim of size 1 is not
+    broadcast but sharded alike.
     """
     in_dim = out_dim - (len(out_shape) - spec.ndim)
-    if in_dim >= 0 and spec.shape[in_dim] == out_shape[out_dim] and out_shape[out_dim] != 1:
+    if in_dim >= 0 and spec.shape[in_dim] == out_shape[out_dim] and (out_shape[out_dim] != 1 or singleton):
         return Shard(in_dim)
     return R
 

@@ -51,10 +51,23 @@ def pointwise_axis_candidates(schema: OpSchema) -> list[AxisCandidate]:
     n_out = max(num_tensor_outputs(schema.op), 1)
     candidates = []
     for d in range(len(out_shape)):
-        if out_shape[d] > 1:
-            candidates.append((Shard(d),) * n_out + tuple(broadcast_dim(s, out_shape, d) for s in specs))
+        singleton = out_shape[d] == 1 and _sharded_singleton(specs, len(out_shape), d)
+        if out_shape[d] > 1 or singleton:
+            candidates.append((Shard(d),) * n_out + tuple(broadcast_dim(s, out_shape, d, singleton) for s in specs))
     candidates.append((R,) * (n_out + len(specs)))
     return _partial_candidates(schema, n_out) + candidates
+
+
+def _sharded_singleton(specs: list, out_ndim: int, d: int) -> bool:
+    """Whether output dim ``d`` has size 1 and an input is already sharded on it (one row over
+    several ranks: trailing ranks hold none, e.g. a [1, n] parameter under fully_shard). Keeping
+    that layout needs no communication, and in-place ops and views of it must keep it; a size-1
+    dim no input shards stays replicated (sharding it would be a choice, not a given)."""
+    for spec in specs:
+        in_dim = d - (out_ndim - spec.ndim)
+        if in_dim >= 0 and spec.shape[in_dim] == 1 and any(p == Shard(in_dim) for p in spec.placements):
+            return True
+    return False
 
 
 def pointwise_candidates(schema: OpSchema) -> list[Candidate]:
