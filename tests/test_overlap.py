@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard
 from shardwise.fsdp import fully_shard
+from tests.test_fsdp import Block
 
 SRC = Path(sw.__file__).resolve().parent  # the code under test
 
@@ -59,20 +60,10 @@ def test_async_redistribute_equals_blocking(dist):
 
 
 # ---------------------------------------------------------------------- fully_shard prefetch
-class _Block(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
-
-
 class _Stack(nn.Module):
     def __init__(self, widths: list[int], d: int = 8) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(_Block(d, h) for h in widths)
+        self.layers = nn.ModuleList(Block(d, h) for h in widths)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -167,7 +158,7 @@ def _prefetch_run(mode: str):
 
 def _prefetch_modes():
     runs = {mode: _prefetch_run(mode) for mode in ("default", "off", "explicit")}
-    model = fully_shard(_Block(4, 4), mesh=sw.init_device_mesh("cpu", (4,)))
+    model = fully_shard(Block(4, 4), mesh=sw.init_device_mesh("cpu", (4,)))
     try:  # bad input: a module that is not fully_shard'ed is named, before any collective
         model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
         runs["bad_input"] = None

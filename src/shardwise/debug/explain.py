@@ -315,21 +315,15 @@ def _strategy(entry: OpEntry, func: Any, args: tuple, kwargs: dict, dtensors: li
 def _candidates(func: Any, args: tuple, kwargs: dict, specs: list, num_outputs: int) -> list:
     """Every candidate the op's registration lists that propagation would consider."""
     from shardwise.dispatch import propagation, registry
-    from shardwise.dispatch.strategy import OpSchema, expand, replicate_all
+    from shardwise.dispatch.strategy import OpSchema, replicate_all
 
     schema = OpSchema(func, _spec_tree(args), tuple((k, v) for k, v in zip(kwargs, _spec_tree(kwargs.values()))),
                       tuple(specs))
     registration = registry.lookup(func)
     if registration is None:
         return [replicate_all(schema, num_outputs)]
-    if registration.kind is registry.Kind.RULE:
-        candidates = [registration.fn(schema)]
-    elif registration.per_axis:
-        candidates = expand(registration.fn(schema), num_outputs, schema.mesh.ndim)
-    else:
-        candidates = registration.fn(schema)
-    return [c for c in candidates if c is not None and propagation._valid_outputs(c)
-            and propagation._keeps_mutated(func, schema, c)]
+    return [c for c in propagation.registered_candidates(schema, registration, num_outputs)
+            if propagation._keeps_mutated(func, schema, c)]
 
 
 def _spec_tree(values: Any) -> tuple:

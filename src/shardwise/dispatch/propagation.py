@@ -154,17 +154,24 @@ def _propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, d
     return OutputPlan(Action.CUSTOM, handler=_write_back(plan)) if write_back else plan
 
 
-def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, describe,
-               outputs: list = ()) -> tuple[Candidate, bool]:
-    """The chosen layout, and whether the mutated ``self`` must be written back into its own
-    layout after the op ran in another one (see ``_write_back``)."""
+def registered_candidates(schema: OpSchema, registration, num_outputs: int) -> list[Candidate]:
+    """Every candidate layout the op's registration lists with valid outputs (a rule gives one;
+    per-axis strategies are expanded over the mesh); ``_candidate`` chooses among them, and
+    ``shardwise.debug.explain`` shows the rejected ones."""
     if registration.kind is registry.Kind.RULE:
         candidates = [registration.fn(schema)]
     elif registration.per_axis:
         candidates = expand(registration.fn(schema), num_outputs, schema.mesh.ndim)
     else:
         candidates = registration.fn(schema)
-    candidates = [c for c in candidates if c is not None and _valid_outputs(c)]
+    return [c for c in candidates if c is not None and _valid_outputs(c)]
+
+
+def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, describe,
+               outputs: list = ()) -> tuple[Candidate, bool]:
+    """The chosen layout, and whether the mutated ``self`` must be written back into its own
+    layout after the op ran in another one (see ``_write_back``)."""
+    candidates = registered_candidates(schema, registration, num_outputs)
     # Look ahead past the op (strategy.pending_reduction), except for views: a view that
     # moves its input is a copy, so a Partial passes through views as it is.
     owed = partial_axes(schema.specs) if outputs and schema.specs and not _is_view(op) else ()
