@@ -22,7 +22,8 @@ Memory follows from running the microbatches in the schedule's order, each forwa
 Assumed, as torch's stages do: the buffers that receive a neighbour's activations and
 gradients are allocated once per microbatch when the stage is built and reused every step (so
 a steady-state step does not allocate them; the real runner's are not counted either), and
-gradients are divided by the number of microbatches in place after the last backward.
+gradients are divided by the number of microbatches in place after the last backward, and (as
+the real stages do) fully_shard and replicate reduce gradients on the last backward only.
 Interleaved 1F1B (two stages per rank) is not simulated.
 """
 
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.parallel.pipeline import set_gradient_sync
 
 __all__ = ["SIMULATED_SCHEDULES", "SimulatedPipeline", "schedule_order", "boundary_meta"]
 
@@ -120,7 +122,9 @@ class SimulatedPipeline:
         self._buffers(in_mbs[0].shape[0])
         pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         losses: list[torch.Tensor] = []
-        for action, i in schedule_order(self.schedule, m, self.num_stages, self.index):
+        order = schedule_order(self.schedule, m, self.num_stages, self.index)
+        last_backward = [i for action, i in order if action == "B"][-1]
+        for action, i in order:
             if action == "F":
                 x = in_mbs[i] if self.has_first else self._received[i].detach().requires_grad_()
                 out = self.module(x)
@@ -136,6 +140,8 @@ class SimulatedPipeline:
                 pending[i] = (out, None if self.has_first else x)
             else:
                 out, x = pending.pop(i)
+                # as the real stages: data-parallel gradients are reduced on the last backward only
+                set_gradient_sync(self.module, i == last_backward)
                 if self.has_last:
                     out.backward()
                 else:
