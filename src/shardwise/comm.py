@@ -30,6 +30,7 @@ once, when it is traced.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import re
@@ -212,6 +213,15 @@ _SEQ: dict[object, int] = {}
 # The last collectives this rank issued, raw (made readable only on failure: ``recent_calls``).
 RECENT = 4
 _RECENT: deque = deque(maxlen=RECENT)
+
+
+def _release_groups() -> None:
+    """At exit: drop the groups held as keys and history (see ``mesh._release_groups``)."""
+    _SEQ.clear()
+    _RECENT.clear()
+
+
+atexit.register(_release_groups)
 
 
 def recent_calls() -> list[CollectiveCall]:

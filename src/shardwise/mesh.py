@@ -16,6 +16,7 @@ Named axes may be flattened: ``mesh["dp_replicate", "dp_shard"].flatten("dp")`` 
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 from typing import Sequence
@@ -29,6 +30,20 @@ __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 # Meshes entered with ``with mesh:``, innermost last.
 _MESH_STACK: list["DeviceMesh"] = []
+
+
+def _release_groups() -> None:
+    """At exit, drop this module's references to process groups while the interpreter is alive.
+
+    Otherwise the cached groups die during interpreter finalization, and gloo's worker threads
+    can still hold work objects whose tensors need the (then gone) interpreter: an occasional
+    ``terminate called without an active exception`` after a clean run. Best effort: it releases
+    shardwise's references only (``comm`` drops its own the same way)."""
+    _GROUPS.clear()
+    _MESH_STACK.clear()
+
+
+atexit.register(_release_groups)
 
 
 def current_mesh() -> "DeviceMesh | None":
