@@ -25,8 +25,12 @@ LAYOUTS = {
 JOB = dict(config="debug", nproc=4, steps=2, global_batch=4, seq_len=64, device="cpu", warmup=1)
 
 
-# The 4-D layouts on 8 ranks: every axis of a pipelined (or context-parallel) FSDP+TP job at once.
+# 8 ranks: FSDP, FSDP+TP, HSDP+TP, and the 4-D layouts (every axis of a pipelined or
+# context-parallel FSDP+TP job at once).
 LAYOUTS_8 = {
+    "fsdp": dict(dp_shard=8),
+    "tp_fsdp": dict(dp_shard=4, tp=2),
+    "hsdp_tp": dict(dp_replicate=2, dp_shard=2, tp=2),
     "pp_fsdp_tp": dict(pp=2, dp_shard=2, tp=2),
     "cp_fsdp_tp": dict(cp=2, dp_shard=2, tp=2),
 }
@@ -56,7 +60,7 @@ def test_simulate_matches_real_runs(dist):
 
 
 def test_simulate_matches_real_runs_on_eight_ranks(dist):
-    job = dict(JOB, nproc=8)
+    job = dict(JOB, nproc=8, global_batch=8)
     _compare(dist.run(8, _real, LAYOUTS_8, job, timeout=300)[0], LAYOUTS_8, job)
 
 
