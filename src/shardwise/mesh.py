@@ -17,8 +17,10 @@ Named axes may be flattened: ``mesh["dp_replicate", "dp_shard"].flatten("dp")`` 
 from __future__ import annotations
 
 import atexit
+import gc
 import math
 import os
+import weakref
 from typing import Sequence
 
 import torch
@@ -28,6 +30,8 @@ __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
 
 # Rank tuple -> process group. Shared by all meshes of the process so each group exists once.
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# Every mesh alive, by id: their groups are released at exit (``_release_groups``).
+_LIVE_MESHES: "weakref.WeakValueDictionary[int, DeviceMesh]" = weakref.WeakValueDictionary()
 # Meshes entered with ``with mesh:``, innermost last.
 _MESH_STACK: list["DeviceMesh"] = []
 
@@ -38,9 +42,13 @@ def _release_groups() -> None:
     Otherwise the cached groups die during interpreter finalization, and gloo's worker threads
     can still hold work objects whose tensors need the (then gone) interpreter: an occasional
     ``terminate called without an active exception`` after a clean run. Best effort: it releases
-    shardwise's references only (``comm`` drops its own the same way)."""
+    shardwise's references only (``comm`` drops its own the same way); meshes still alive (a
+    script's globals) forget their groups, which they no longer need."""
     _GROUPS.clear()
     _MESH_STACK.clear()
+    for mesh in list(_LIVE_MESHES.values()):
+        mesh._groups = []
+    gc.collect()
 
 
 atexit.register(_release_groups)
@@ -141,6 +149,7 @@ class DeviceMesh:
         if dist.is_initialized():
             _ensure_backend_device(device_type)
             self._groups = self._init_groups(_family if _family is not None else grid)
+            _LIVE_MESHES[id(self)] = self
         # A sub-mesh's identity includes its root's: equal-looking sub-meshes of different
         # roots slice and flatten differently, so cached specs must not swap one for the other.
         root_key = None if self._root is self else self._root._key
