@@ -80,17 +80,26 @@ def spec_tree(args: Iterable, kwargs: dict, DTensor: type) -> tuple[tuple, tuple
     return freeze(args_), tuple((k, freeze(v)) for k, v in kwargs_.items())
 
 
-def _key_of(entry: Any) -> Any:
-    if isinstance(entry, pytree.SequenceKey):
-        return entry.idx
-    if isinstance(entry, pytree.MappingKey):
-        return entry.key
-    raise TypeError(f"walk: an argument container pytree opens but dispatch cannot rebuild ({entry!r})")
-
-
 def _paths(args: Iterable, kwargs: dict) -> list[tuple[Path, Any]]:
-    flat, _ = pytree.tree_flatten_with_path((tuple(args), kwargs), is_leaf=_is_leaf)
-    return [(tuple(_key_of(e) for e in path), leaf) for path, leaf in flat]
+    """Every leaf with its path of indices and keys (a namedtuple's field name becomes its index)."""
+    root = (tuple(args), kwargs)
+    flat, _ = pytree.tree_flatten_with_path(root, is_leaf=_is_leaf)
+    out = []
+    for entries, leaf in flat:
+        node, path = root, []
+        for entry in entries:
+            if isinstance(entry, pytree.SequenceKey):
+                key = entry.idx
+            elif isinstance(entry, pytree.MappingKey):
+                key = entry.key
+            elif isinstance(entry, pytree.GetAttrKey) and hasattr(node, "_fields"):
+                key = node._fields.index(entry.name)
+            else:
+                raise TypeError(f"walk: pytree opens a container dispatch cannot rebuild ({entry!r})")
+            node = node[key]
+            path.append(key)
+        out.append((tuple(path), leaf))
+    return out
 
 
 def labelled(args: Iterable, kwargs: dict) -> list[tuple[str, Any]]:
