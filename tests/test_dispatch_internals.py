@@ -190,6 +190,12 @@ def test_the_walker_follows_pytree_on_nested_lists_tuples_and_dicts():
     assert type(new_args[1][2]) is tuple and type(new_args[3]) is _Pair and new_kwargs["weights"][0] is plain
     assert args[1][0] is b and kwargs["weights"][1]["deep"] is e  # the originals are untouched
 
+    shallow_args, shallow_kwargs = (a, (None, b), 3), {"out": [c, d]}  # index's [None, idx], out= lists
+    shallow = walk.slots(shallow_args, shallow_kwargs, _Marked)
+    assert shallow.shallow is not None and where.shallow is None
+    assert walk.put(shallow_args, shallow_kwargs, shallow, "ABCD") == (["A", (None, "B"), 3], {"out": ["C", "D"]})
+    assert shallow_kwargs["out"] == [c, d]
+
     flat = walk.slots((a, 3, b), {}, _Marked)
     assert flat.positional == (0, 2)
     assert walk.put((a, 3, b), {}, flat, ["A", "B"]) == (["A", 3, "B"], {})

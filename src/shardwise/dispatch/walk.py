@@ -118,17 +118,22 @@ class Slots:
 
     Found once per call signature (``slots``) and cached with its plan; ``put`` then swaps
     values in without searching. ``positional``: the positions, when every DTensor is a
-    top-level positional argument (the common case, a flat loop)."""
+    top-level positional argument (the common case, a flat loop). ``shallow``: (root, key,
+    index or None) per DTensor, when each is an argument or an element of a list or tuple
+    argument (``cat``, ``index``, ``_foreach_*``, ``out=``: also a flat loop)."""
 
     paths: tuple[Path, ...]
     positional: tuple[int, ...] | None
+    shallow: tuple[tuple[int, Any, int | None], ...] | None = None
 
 
 def slots(args: Iterable, kwargs: dict, DTensor: type) -> Slots:
     """The ``Slots`` of the DTensors of a call."""
     paths = tuple(path for path, leaf in _paths(args, kwargs) if isinstance(leaf, DTensor))
     flat = all(len(p) == 2 and p[0] == 0 for p in paths)
-    return Slots(paths, tuple(p[1] for p in paths) if flat else None)
+    shallow = all(len(p) == 2 or (len(p) == 3 and isinstance(at(args, kwargs, p[:2]), (list, tuple))) for p in paths)
+    return Slots(paths, tuple(p[1] for p in paths) if flat else None,
+                 tuple((p[0], p[1], p[2] if len(p) == 3 else None) for p in paths) if shallow else None)
 
 
 def at(args: tuple, kwargs: dict, path: Path) -> Any:
@@ -149,10 +154,29 @@ def put(args: tuple, kwargs: dict, where: Slots, values: Iterable) -> tuple[list
         for position, value in zip(where.positional, values):
             local[position] = value
         return local, kwargs
+    if where.shallow is not None:
+        return _put_shallow(args, kwargs, where.shallow, values)
     in_args, in_kwargs = [], []
     for path, value in zip(where.paths, values):
         (in_args if path[0] == 0 else in_kwargs).append((path[1:], value))
     return list(_rebuild(args, in_args)), _rebuild(kwargs, in_kwargs) if in_kwargs else kwargs
+
+
+def _put_shallow(args: tuple, kwargs: dict, shallow: tuple, values: Iterable) -> tuple[list, dict]:
+    roots = (list(args), dict(kwargs) if kwargs else kwargs)
+    inner_lists: dict = {}
+    for (root, key, index), value in zip(shallow, values):
+        if index is None:
+            roots[root][key] = value
+            continue
+        inner = inner_lists.get((root, key))
+        if inner is None:
+            inner = inner_lists[(root, key)] = list(roots[root][key])
+        inner[index] = value
+    for (root, key), inner in inner_lists.items():
+        original = (args, kwargs)[root][key]
+        roots[root][key] = inner if type(original) is list else _like(original, inner)
+    return roots[0], roots[1]
 
 
 def _rebuild(node: Any, pairs: list) -> Any:
