@@ -64,9 +64,12 @@ def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
 
 
 def freeze(value: Any) -> Any:
-    """``value`` with every list made a tuple, at any depth: hashable, for plan caches."""
-    if isinstance(value, (list, tuple)):
-        return _like(value, [freeze(v) for v in value]) if isinstance(value, tuple) else tuple(freeze(v) for v in value)
+    """``value`` with every list made a tuple, at any depth: hashable, for plan caches (dicts
+    stay dicts: no ATen argument holds one)."""
+    if isinstance(value, list):
+        return tuple(freeze(v) for v in value)
+    if isinstance(value, tuple):
+        return _like(value, [freeze(v) for v in value])
     if isinstance(value, dict):
         return {k: freeze(v) for k, v in value.items()}
     return value
