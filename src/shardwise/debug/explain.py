@@ -46,6 +46,7 @@ from shardwise import comm
 from shardwise.compile import never_compiled
 from shardwise.debug.context import current_cause
 from shardwise.debug.module_tracker import GLOBAL, ModuleTracker, current_phase
+from shardwise.dispatch import walk
 from shardwise.mesh import DeviceMesh
 from shardwise.spec import DTensorSpec, render_layout
 
@@ -236,7 +237,7 @@ class explain:
             raise
         finally:
             self._stack.pop()
-        entry.outputs = [dt._spec.render() for dt in _dtensors(out if isinstance(out, (tuple, list)) else (out,), {})]
+        entry.outputs = [dt._spec.render() for dt in _dtensors(out, {})]
         return out
 
     def record(self, kind: str, mesh: DeviceMesh, axis: int, bytes_sent: int) -> None:
@@ -258,16 +259,10 @@ def _recording_dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _dtensors(args: Any, kwargs: dict) -> list:
-    """The DTensors among the arguments (one level of lists), in the dispatcher's order."""
+    """The DTensors among the arguments (or results), in the dispatcher's order (``walk.dtensors``)."""
     from shardwise.dtensor import DTensor
 
-    found = []
-    for value in [*args, *kwargs.values()]:
-        if isinstance(value, DTensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found += [v for v in value if isinstance(v, DTensor)]
-    return found
+    return walk.dtensors(args if isinstance(args, (tuple, list)) else (args,), kwargs, DTensor)
 
 
 def _op_name(func: Any) -> str:
@@ -317,27 +312,14 @@ def _candidates(func: Any, args: tuple, kwargs: dict, specs: list, num_outputs: 
     from shardwise.dispatch import propagation, registry
     from shardwise.dispatch.strategy import OpSchema, replicate_all
 
-    schema = OpSchema(func, _spec_tree(args), tuple((k, v) for k, v in zip(kwargs, _spec_tree(kwargs.values()))),
-                      tuple(specs))
+    from shardwise.dtensor import DTensor
+
+    schema = OpSchema(func, *walk.spec_tree(args, kwargs, DTensor), tuple(specs))
     registration = registry.lookup(func)
     if registration is None:
         return [replicate_all(schema, num_outputs)]
     return [c for c in propagation.registered_candidates(schema, registration, num_outputs)
             if propagation._keeps_mutated(func, schema, c)]
-
-
-def _spec_tree(values: Any) -> tuple:
-    from shardwise.dtensor import DTensor
-
-    out = []
-    for v in values:
-        if isinstance(v, DTensor):
-            out.append(v._spec)
-        elif isinstance(v, (list, tuple)):
-            out.append(_spec_tree(v))
-        else:
-            out.append(v)
-    return tuple(out)
 
 
 def _cost(specs: list, targets: tuple) -> tuple[float, int]:

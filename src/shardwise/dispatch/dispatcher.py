@@ -1,7 +1,8 @@
-"""The op dispatcher: the five steps of seed 5.1 for every ATen op on DTensors.
+"""The op dispatcher: five steps for every ATen op on DTensors (README, "Ordinary PyTorch code on DTensors").
 
 1. intercept (``DTensor.__torch_dispatch__`` calls ``dispatch``);
-2. unpack: DTensor arguments -> specs (the cache key) and local blocks;
+2. unpack: DTensor arguments -> specs (the cache key) and local blocks (every walk over the
+   arguments and results is ``shardwise.dispatch.walk``'s);
 3. propagate: ``propagation.propagate`` picks input and output layouts (cached, bounded LRU);
 4. redistribute the inputs that need it, run the op on the local blocks;
 5. repack the local results as DTensors with the planned specs.
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from shardwise.compile import never_compiled
-from shardwise.dispatch import flags, registry
+from shardwise.dispatch import flags, registry, walk
 from shardwise.dispatch.cache import PLANS, registry_version
 from shardwise.dispatch.propagation import Action, OutputPlan, Returns, UnsupportedOp, propagate, with_layouts
 from shardwise.dispatch.strategy import OpSchema
@@ -39,6 +40,8 @@ _OpOverload = torch._ops.OpOverload
 _inference_mode = torch.is_inference_mode_enabled
 _flags = flags.FLAGS.get  # the per-context flags: part of every cache key
 _cached = PLANS.get  # the lock-free read
+_signature = walk.signature
+_put = walk.put
 
 
 def _dtensor_cls() -> type:
@@ -106,8 +109,9 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         op = func._op  # an OpOverload's C++ handle: hashed in C (the overload's own hash is Python)
     except AttributeError:
         op = func
-    key = (op, _key(args, dtensors, DTensor, func),
-           _key(kwargs.values(), dtensors, DTensor, func) + tuple(kwargs) if kwargs else (), _flags())
+    key = (op, _signature(args, dtensors, DTensor, func, _SIGN_ONLY),
+           _signature(kwargs.values(), dtensors, DTensor, func, _SIGN_ONLY) + tuple(kwargs) if kwargs else (),
+           _flags())
     try:
         run = _cached(key)
     except TypeError:  # an unhashable argument: a symbolic size from torch.compile(dynamic=True)
@@ -120,7 +124,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 def _decide(key: tuple, func, args: tuple, kwargs: dict, dtensors: list) -> Callable:
     """The slow path: propagate, build the call's runner, cache it."""
     version = registry_version()
-    plan = _with_positions(_propagate(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
+    plan = _with_slots(_propagate(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
     run = _runner(func, plan)
     PLANS.put(key, run, version, CACHE_SIZE)
     return run
@@ -134,7 +138,7 @@ def _runner(func, plan: OutputPlan) -> Callable:
         return lambda func, args, kwargs, dtensors: handler(func, args, kwargs)
     if plan.action is Action.DECOMPOSE:
         return functools.partial(_run_decomposition, plan.handler)
-    if not plan.moves_inputs and plan.positions is not None and plan.returns in (Returns.WRAP, Returns.VIEW):
+    if not plan.moves_inputs and plan.slots is not None and plan.slots.positional is not None and plan.returns in (Returns.WRAP, Returns.VIEW):
         return _local_runner(func, plan)
     return functools.partial(_run, plan)
 
@@ -156,7 +160,7 @@ def _local_runner(func, plan: OutputPlan) -> Callable:
     """The common cases, as lean as a plain wrapper subclass: every DTensor a top-level
     positional argument, no communication, new tensors or a view out (``_run`` does the rest)."""
     call = func._op if type(func) is _OpOverload else func  # skips the overload's Python __call__
-    wrap, positions, specs, rewrite = _wrap, plan.positions, plan.output_specs, plan.rewrite
+    wrap, positions, specs, rewrite = _wrap, plan.slots.positional, plan.output_specs, plan.rewrite
     if rewrite is None and plan.returns is Returns.WRAP and _single_tensor_output(func) and specs and specs[0] is not None:
         spec = specs[0]
         if positions == (0,):
@@ -203,45 +207,19 @@ _SYMBOLIC = ("symbolic (dynamic) shapes reached the DTensor dispatcher, which de
              "dimension dynamic")
 
 
-def _with_positions(plan: OutputPlan, func, args: tuple, kwargs: dict, count: int) -> OutputPlan:
-    """Record where the DTensors sit when they are all top-level positional arguments (and mark
-    the plans of view ops, see ``_repack_view``)."""
+def _with_slots(plan: OutputPlan, func, args: tuple, kwargs: dict, count: int) -> OutputPlan:
+    """Record where the DTensors sit (``walk.Slots``, found once here so the hot path swaps
+    blocks in without searching), and mark the plans of view ops (see ``_repack_view``)."""
     if plan.action is not Action.RUN:
         return plan
     if plan.returns in (Returns.WRAP, Returns.COPIED_VIEW) and _returns_view(func, args):
         view = Returns.VIEW_BITS if _may_conjugate(func, args[0], plan) else Returns.VIEW
         plan = dataclasses.replace(plan, returns=view if plan.returns is Returns.WRAP else Returns.COPIED_VIEW_OF)
-    DTensor = _DTensor
-    positions = tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
-    if len(positions) != count:
-        return plan
-    return dataclasses.replace(plan, positions=positions)
-
-
-def _key(values, dtensors: list, DTensor: type, func: Any = None) -> tuple:
-    """Hashable summary of arguments: specs for DTensors, metadata for plain tensors, and
-    values for the rest (floats only by ``_float_class`` when ``func``'s layouts depend on
-    their sign only)."""
-    out = []
-    for value in values:
-        if isinstance(value, DTensor):
-            dtensors.append(value)
-            out.append(value._spec)
-        elif isinstance(value, _Tensor):
-            out.append((value.dtype, value.shape, value.device.type))
-        elif isinstance(value, (list, tuple)):
-            # A list of ints (a size, dims) is its own key; ATen never mixes ints and tensors in a list.
-            out.append(tuple(value) if value and type(value[0]) is int else _key(value, dtensors, DTensor, func))
-        elif type(value) is float and func in _SIGN_ONLY:
-            out.append(_float_class(value))
-        else:
-            out.append(value)
-    return tuple(out)
-
-
-def _float_class(value: float) -> tuple:
-    """What a pointwise op's layout can depend on: sign (NaN apart), and being 0 or 1."""
-    return (float, (value > 0) - (value < 0) if value == value else 2, value == 1.0)
+    slots = walk.slots(args, kwargs, _DTensor)
+    if len(slots.paths) != count:  # the cache key's walk and pytree's disagree: a bug, never a wrong result
+        raise RuntimeError(f"{render_call(func, args, kwargs)}: found {count} DTensors for the key but "
+                           f"{len(slots.paths)} by pytree (see shardwise.dispatch.walk)")
+    return dataclasses.replace(plan, slots=slots)
 
 
 def _run(plan: OutputPlan, func, args: tuple, kwargs: dict, dtensors: list) -> Any:
@@ -260,15 +238,7 @@ def _run(plan: OutputPlan, func, args: tuple, kwargs: dict, dtensors: list) -> A
             dtensors[i]._local_tensor, dtensors[i]._spec = blocks[i], plan.input_specs[i]
     else:
         blocks = [dt._local_tensor for dt in dtensors]
-    if plan.positions is not None:
-        local_args = list(args)
-        for position, block in zip(plan.positions, blocks):
-            local_args[position] = block
-        local_kwargs = kwargs
-    else:
-        it = iter(blocks)
-        local_args = _swap(args, it)
-        local_kwargs = dict(zip(kwargs, _swap(kwargs.values(), it))) if kwargs else {}
+    local_args, local_kwargs = _put(args, kwargs, plan.slots, blocks)
     if plan.rewrite is not None:
         local_args, local_kwargs = plan.rewrite(local_args, local_kwargs, plan.output_specs)
     try:
@@ -326,45 +296,15 @@ def _with_bits(wrapped: Any, out: Any) -> Any:
 
 def _mark_copied(out: Any, func) -> Any:
     """Tag the outputs of a view that had to communicate (see ``_run``)."""
-    for item in out if isinstance(out, (tuple, list)) else (out,):
+    for item in walk.leaves(out):
         if isinstance(item, _DTensor):
             item._copied_view = f"the result of {func} (a view)"
     return out
 
 
-def _swap(values, blocks) -> list:
-    """``values`` with every DTensor replaced by the next local block (one level of lists)."""
-    DTensor = _DTensor
-    out = []
-    for value in values:
-        if isinstance(value, DTensor):
-            out.append(next(blocks))
-        elif isinstance(value, (list, tuple)) and any(isinstance(v, DTensor) for v in value):  # [None, idx]
-            out.append(type(value)(next(blocks) if isinstance(v, DTensor) else v for v in value))
-        else:
-            out.append(value)
-    return out
-
-
 def _repack(out: Any, specs: tuple) -> Any:
-    """Wrap local results in DTensors with the planned specs (one level of tuples/lists)."""
-    if not isinstance(out, (tuple, list)):
-        spec = specs[0] if specs else None
-        return _wrap(out, spec) if spec is not None else out
-    count, i, items = len(specs), 0, []
-    for o in out:
-        if isinstance(o, (tuple, list)):
-            inner = []
-            for x in o:
-                spec = specs[i] if i < count else None
-                i += 1
-                inner.append(_wrap(x, spec) if spec is not None and isinstance(x, _Tensor) else x)
-            items.append(type(o)(inner))
-        else:
-            spec = specs[i] if i < count else None
-            i += 1
-            items.append(_wrap(o, spec) if spec is not None and isinstance(o, _Tensor) else o)
-    return type(out)(items)
+    """Wrap local results in DTensors with the planned specs (in leaf order)."""
+    return walk.wrap_results(out, specs, _wrap)
 
 
 # ---------------------------------------------------------------------- slow path
@@ -392,9 +332,9 @@ def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
         return _ImplicitPlan(mesh)
     if plain:  # one-element tensors only: they broadcast like tensors, so they take part as DTensors
         return _ImplicitPlan(mesh, scalars_only=True)
-    schema = OpSchema(func, _specs_of(args, DTensor), tuple((k, v) for k, v in zip(kwargs, _specs_of(kwargs.values(), DTensor))), tuple(dt._spec for dt in dtensors))
-    meta_args, meta_kwargs = _to_meta(args, DTensor), dict(zip(kwargs, _to_meta(kwargs.values(), DTensor)))
-    plan = propagate(func, schema, tuple(meta_args), meta_kwargs, describe)
+    schema = OpSchema(func, *walk.spec_tree(args, kwargs, DTensor), tuple(dt._spec for dt in dtensors))
+    meta_args, meta_kwargs = walk.map_leaves(lambda v: _to_meta(v, DTensor), (tuple(args), kwargs))
+    plan = propagate(func, schema, meta_args, meta_kwargs, describe)
     if plan.action is Action.RUN and mesh.get_coordinate() is None:
         return _absent_plan(plan, func)
     return plan
@@ -411,9 +351,7 @@ def _absent_plan(plan: OutputPlan, func) -> OutputPlan:
     as_list = len(returns) == 1 and isinstance(returns[0].type, torch.ListType)
 
     def handler(func, args, kwargs):
-        dtensors: list = []
-        _key(args, dtensors, _DTensor)
-        _key(kwargs.values(), dtensors, _DTensor)
+        dtensors = walk.dtensors(args, kwargs, _DTensor)
         for i in plan.rebind:  # the mutated tensor takes its settled layout, as on the members
             dtensors[i]._spec = plan.input_specs[i]
         if plan.returns is Returns.SELF:
@@ -546,7 +484,9 @@ def _ImplicitPlan(mesh, scalars_only: bool = False) -> OutputPlan:
             wrap = lambda v: _as_replicate(v, mesh) if id(v) in chosen else v  # noqa: E731
         else:
             wrap = lambda v: _as_replicate(v, mesh)  # noqa: E731
-        return func(*_map_plain(args, wrap), **dict(zip(kwargs, _map_plain(kwargs.values(), wrap))))
+        plain = lambda v: isinstance(v, torch.Tensor) and not isinstance(v, _DTensor) and v.ndim > 0  # noqa: E731
+        new_args, new_kwargs = walk.map_leaves(lambda v: wrap(v) if plain(v) else v, (tuple(args), kwargs))
+        return func(*new_args, **new_kwargs)
 
     return OutputPlan(Action.CUSTOM, handler=handler)
 
@@ -557,52 +497,19 @@ def _as_replicate(t: torch.Tensor, mesh) -> Any:
     return DTensor(t, spec, requires_grad=False)
 
 
-def _map_plain(values, fn) -> list:
-    DTensor = _DTensor
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.ndim > 0:
-            out.append(fn(v))
-        elif isinstance(v, (list, tuple)):
-            out.append(type(v)(_map_plain(v, fn)))
-        else:
-            out.append(v)
-    return out
-
-
 def _plain_tensors(args: tuple, kwargs: dict, DTensor: type) -> list[tuple[str, torch.Tensor]]:
     """Non-scalar plain tensors in the call, with where they are (``#1``, ``#2[0]``, ``weight``)."""
-    found = []
-    for where, value in [(f"#{i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
-        items = [(where, value)] if not isinstance(value, (list, tuple)) else [(f"{where}[{j}]", v) for j, v in enumerate(value)]
-        found += [(w, v) for w, v in items if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.ndim > 0]
-    return found
+    return [(w, v) for w, v in walk.labelled(args, kwargs)
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.ndim > 0]
 
 
-def _specs_of(values, DTensor: type) -> tuple:
-    out = []
-    for v in values:
-        if isinstance(v, DTensor):
-            out.append(v._spec)
-        elif isinstance(v, (list, tuple)):
-            out.append(tuple(_specs_of(v, DTensor)))
-        else:
-            out.append(v)
-    return tuple(out)
-
-
-def _to_meta(values, DTensor: type) -> list:
-    out = []
-    for v in values:
-        if isinstance(v, DTensor):
-            out.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta"))
-        elif isinstance(v, torch.Tensor):
-            out.append(v.to("meta"))
-        elif isinstance(v, (list, tuple)):
-            out.append(type(v)(_to_meta(v, DTensor)))
-        else:
-            out.append(v)
-    return out
+def _to_meta(value: Any, DTensor: type) -> Any:
+    """A leaf for the meta run of propagation: tensors become meta tensors of the global shapes."""
+    if isinstance(value, DTensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    return value
 
 
 # ---------------------------------------------------------------------- rendering
@@ -618,11 +525,9 @@ def render_call(func, args: tuple, kwargs: dict) -> str:
             return a._spec.render()
         if isinstance(a, torch.Tensor):
             return _plain(a)
-        if isinstance(a, (list, tuple)):
-            return "[" + ", ".join(show(x) for x in a) + "]"
         return repr(a)
 
-    shown = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
+    shown = [walk.render(a, show) for a in args] + [f"{k}={walk.render(v, show)}" for k, v in kwargs.items()]
     where = " and ".join(map(repr, meshes))
     name = str(func).replace("aten::", "aten.").replace(".default", "")
     return f"{name}({', '.join(shown)})" + (f" on {where}" if where else "")

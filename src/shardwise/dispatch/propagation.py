@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from shardwise.dispatch import flags, registry
+from shardwise.dispatch import flags, registry, walk
 from shardwise.dispatch.cache import bump_registry_version
 from shardwise.dispatch.flags import fallback_enabled
 from shardwise.dispatch.strategy import (
@@ -70,9 +70,9 @@ class OutputPlan:
     handler: Callable | None = None
     returns: Returns = Returns.WRAP
     moves_inputs: bool = False
-    # Positions of the DTensors among the positional arguments, when that is all there is
-    # (no DTensor inside a list or a keyword): lets the hot path swap blocks in directly.
-    positions: tuple[int, ...] | None = None
+    # Where the DTensors sit in the call (set by the dispatcher once per call signature): lets
+    # the hot path swap blocks in without searching the arguments.
+    slots: walk.Slots | None = None
     # Mutated DTensors re-pointed to their moved blocks. Always empty: a mutated DTensor keeps
     # its layout (an in-place op that cannot keep it writes its result back, see _write_back).
     rebind: tuple[int, ...] = ()
@@ -234,17 +234,13 @@ def _write_back(plan: OutputPlan) -> Callable:
                 f"{dispatcher.render_call(func, args, kwargs)}: in-place write into {args[0]._copied_view}, "
                 "whose input had to be redistributed, so it is a copy and the write would not reach the base tensor"
             )
-        DTensor = dispatcher._dtensor_cls()
-        dtensors: list = []
-        dispatcher._key(args, dtensors, DTensor)
-        dispatcher._key(kwargs.values(), dtensors, DTensor)
+        where = walk.slots(args, kwargs, dispatcher._dtensor_cls())
+        dtensors = [walk.at(args, kwargs, path) for path in where.paths]
         blocks = [
             dt._local_tensor if target is None else redistribute_local(dt._local_tensor, dt._spec, target)
             for dt, target in zip(dtensors, plan.input_specs)
         ]
-        it = iter(blocks)
-        local_args = dispatcher._swap(args, it)
-        local_kwargs = dict(zip(kwargs, dispatcher._swap(kwargs.values(), it))) if kwargs else {}
+        local_args, local_kwargs = walk.put(args, kwargs, where, blocks)
         if plan.rewrite is not None:
             local_args, local_kwargs = plan.rewrite(local_args, local_kwargs, plan.output_specs)
         try:
@@ -396,13 +392,8 @@ def with_layouts(err: BaseException, call: str) -> BaseException:
 
 
 def flatten_outputs(out: Any) -> list:
-    """An op's result as a flat list (tuples and lists of tensors opened one level)."""
-    if isinstance(out, (tuple, list)):
-        flat = []
-        for item in out:
-            flat += list(item) if isinstance(item, (tuple, list)) else [item]
-        return flat
-    return [out]
+    """An op's result as a flat list: its leaves (``walk.leaves``), in the order of output specs."""
+    return walk.leaves(out)
 
 
 def _decomposition(op: Any) -> Callable | None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch  # noqa: F401  (the look-ahead scoring being added uses it)
 
+from shardwise.dispatch import walk
 from shardwise.placement import Placement, Replicate, check_placements
 from shardwise.redistribute.execute import plan_for
 from shardwise.spec import DTensorSpec
@@ -74,12 +75,8 @@ class Candidate:
 
 
 def count_specs(value: Any) -> int:
-    """DTensors an argument stands for: 1 for a spec, the specs in a list, else 0."""
-    if isinstance(value, DTensorSpec):
-        return 1
-    if isinstance(value, (list, tuple)):
-        return sum(isinstance(v, DTensorSpec) for v in value)
-    return 0
+    """DTensors an argument stands for: its spec leaves (1 for a spec, the specs in a list)."""
+    return sum(isinstance(v, DTensorSpec) for v in walk.leaves(value))
 
 
 def expand(

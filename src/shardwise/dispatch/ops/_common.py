@@ -6,6 +6,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from shardwise.dispatch import walk
 from shardwise.dispatch.cache import PLANS
 from shardwise.dispatch.strategy import Candidate, OpSchema, choose
 from shardwise.placement import Placement, Replicate, Shard
@@ -60,16 +61,8 @@ def broadcast_dim(spec: DTensorSpec, out_shape: tuple[int, ...], out_dim: int, s
 
 
 def tensor_shapes(values: Any) -> list[tuple[int, ...]]:
-    """Shapes of every spec / plain tensor among ``values`` (one level of lists)."""
-    shapes = []
-    for v in values:
-        if isinstance(v, DTensorSpec):
-            shapes.append(tuple(v.shape))
-        elif isinstance(v, torch.Tensor):
-            shapes.append(tuple(v.shape))
-        elif isinstance(v, (list, tuple)):
-            shapes += tensor_shapes(v)
-    return shapes
+    """Shapes of every spec / plain tensor among ``values`` (its leaves, at any depth)."""
+    return [tuple(v.shape) for v in walk.leaves(values) if isinstance(v, (DTensorSpec, torch.Tensor))]
 
 
 # ---------------------------------------------------------------------- custom handlers

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from shardwise.dispatch import walk
 from shardwise.dispatch.cache import PLANS
 from shardwise.dispatch.ops._common import R, aten, broadcast_dim, cached_choice, localize, make_spec, meta_of
 from shardwise.dispatch.ops.norm import linear_partial_ops, spec_arguments
@@ -133,21 +134,13 @@ def _schema_of(op: Any, args: tuple, kwargs: dict) -> tuple[OpSchema, list[Any]]
     """The call as the propagator sees it (specs in place of DTensors), and its DTensors."""
     from shardwise.dtensor import DTensor
 
-    dtensors: list[Any] = []
-
-    def spec(value: Any) -> Any:
-        if isinstance(value, DTensor):
-            dtensors.append(value)
-            return value._spec
-        if isinstance(value, torch.Tensor):
-            raise ValueError(f"{op}: a plain tensor mixed with DTensors; make it a DTensor")
-        if isinstance(value, list):  # a flag list (grad_input_mask): hashable, for the plan cache
-            return tuple(value)
-        return value
-
-    args_ = tuple(spec(a) for a in args)
-    kwargs_ = tuple((k, spec(v)) for k, v in kwargs.items())
-    return OpSchema(op, args_, kwargs_, tuple(d._spec for d in dtensors)), dtensors
+    found = walk.labelled(args, kwargs)
+    plain = [where for where, v in found if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)]
+    if plain:
+        raise ValueError(f"{op}: argument {plain[0]} is a plain tensor mixed with DTensors; make it a DTensor")
+    dtensors = [v for _, v in found if isinstance(v, DTensor)]
+    # Lists (a flag list, grad_input_mask) become tuples: hashable, for the plan cache.
+    return OpSchema(op, *walk.spec_tree(args, kwargs, DTensor), tuple(d._spec for d in dtensors)), dtensors
 
 
 def _output_specs(schema: OpSchema, plan: Candidate, like: tuple[str, ...]) -> list[DTensorSpec]:
@@ -181,8 +174,8 @@ def attention_handler(make: Callable[[OpSchema], list[Candidate]], like: tuple[s
                     if isinstance(s, DTensorSpec) else s for s in specs]
         else:
             it = iter(blocks)
-            local_args = [next(it) if isinstance(a, DTensor) else a for a in args]
-            local_kwargs = {k: next(it) if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+            local_args, local_kwargs = walk.map_leaves(lambda v: next(it) if isinstance(v, DTensor) else v,
+                                                       (args, kwargs))
             outs = op(*local_args, **local_kwargs)
         return tuple(DTensor(o, s, requires_grad=False) if isinstance(s, DTensorSpec) and o is not None else o
                      for o, s in zip(outs, specs))

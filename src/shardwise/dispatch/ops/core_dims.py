@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from shardwise.dispatch import walk
 from shardwise.dispatch.ops._common import R
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema
 from shardwise.placement import Partial, Placement, Shard
@@ -42,21 +43,14 @@ def _meta(value: Any) -> Any:
         return torch.empty_strided(value.shape, value.tensor_meta.stride, dtype=value.dtype, device="meta")
     if isinstance(value, torch.Tensor):
         return value.to("meta")
-    if isinstance(value, tuple):
-        return [_meta(v) for v in value]
     return value
-
-
-def _flat(out: Any) -> list:
-    if isinstance(out, (tuple, list)):
-        return [x for o in out for x in _flat(o)]
-    return [out]
 
 
 @lru_cache(maxsize=2048)
 def _shapes(op: Any, args: tuple, kwargs: tuple) -> tuple[tuple[int, ...] | None, ...]:
-    out = op(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs})
-    return tuple(tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in _flat(out))
+    meta_args, meta_kwargs = walk.map_leaves(_meta, (args, dict(kwargs)))
+    out = op(*meta_args, **meta_kwargs)
+    return tuple(tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in walk.leaves(out))
 
 
 def output_shapes(schema: OpSchema) -> tuple[tuple[int, ...] | None, ...]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
+from shardwise.dispatch import walk
 from shardwise.dispatch.ops._common import R, aten, local_block
 from shardwise.dispatch.registry import allow_plain_indices, register_custom_handler
 from shardwise.spec import DTensorSpec, TensorMeta
@@ -46,14 +46,14 @@ def _dtensor_type() -> type:
 def run_replicated(op: Any, args: tuple, kwargs: dict) -> Any:
     """Gather every DTensor argument, run ``op`` on the whole tensors, return Replicate DTensors."""
     DTensor = _dtensor_type()
-    dtensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)]
+    dtensors = walk.dtensors(args, kwargs, DTensor)
     mesh = dtensors[0].device_mesh
     whole = (R,) * mesh.ndim
 
     def local(value: Any) -> Any:
         return local_block(value, whole) if isinstance(value, DTensor) else value
 
-    local_args, local_kwargs = tree_map(local, (args, kwargs))
+    local_args, local_kwargs = walk.map_leaves(local, (args, kwargs))
     out = op(*local_args, **local_kwargs)
 
     def wrap(value: Any) -> Any:
@@ -61,7 +61,7 @@ def run_replicated(op: Any, args: tuple, kwargs: dict) -> Any:
             return DTensor(value, DTensorSpec(mesh, whole, TensorMeta.of(value)), requires_grad=False)
         return value
 
-    return tree_map(wrap, out)
+    return walk.map_leaves(wrap, out)
 
 
 register_custom_handler(*_DATA_DEPENDENT)(run_replicated)

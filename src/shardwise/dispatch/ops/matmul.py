@@ -2,7 +2,7 @@
 
 ``matmul``, ``linear`` and ``einsum`` are composite: autograd turns them into views plus the ops
 here before they reach the dispatcher. For ``out[b?, m, n] = A[b?, m, k] @ B[b?, k, n]`` each
-mesh axis may take one of these layouts (seed 5.2.1):
+mesh axis may take one of these layouts:
 
     batch        A S(b)  x B S(b)  -> S(b)      (bmm)
     rows         A S(m)  x B R     -> S(m)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from shardwise.dispatch import walk
 from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.registry import register_custom_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
@@ -249,17 +250,12 @@ def _bind(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-def _hashable(value: Any) -> Any:
-    return tuple(_hashable(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
 @functools.lru_cache(maxsize=1024)
 def _global_outputs(op: Any, spec: DTensorSpec, rest: tuple, kwargs: tuple) -> tuple[TensorMeta, ...]:
     """Global metadata of the op's outputs (run on a meta tensor; raises torch's own errors)."""
     meta = torch.empty_strided(spec.shape, spec.tensor_meta.stride, dtype=spec.dtype, device="meta")
     out = op(meta, *rest, **dict(kwargs))
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    return tuple(TensorMeta(o.shape, tuple(o.stride()), o.dtype) for o in outs)
+    return tuple(TensorMeta(o.shape, tuple(o.stride()), o.dtype) for o in walk.leaves(out))
 
 
 def _needs_rewrite(spec: DTensorSpec, reduced: tuple[int, ...]) -> bool:
@@ -268,8 +264,8 @@ def _needs_rewrite(spec: DTensorSpec, reduced: tuple[int, ...]) -> bool:
 
 
 def _metas(op: Any, spec: DTensorSpec, args: tuple, kwargs: dict) -> tuple[TensorMeta, ...]:
-    rest = _hashable(tuple(args[1:]))
-    return _global_outputs(op, spec, rest, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
+    rest = walk.freeze(tuple(args[1:]))
+    return _global_outputs(op, spec, rest, tuple(sorted((k, walk.freeze(v)) for k, v in kwargs.items())))
 
 
 def _run_local(op: Any, x: Any, args: tuple, kwargs: dict, reduced: tuple[int, ...], keepdim: bool,
@@ -293,7 +289,7 @@ def _run_local(op: Any, x: Any, args: tuple, kwargs: dict, reduced: tuple[int, .
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "var(): degrees of freedom is <= 0", as on one device
             out = op(block, *args[1:], **kwargs)
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        outs = walk.leaves(out)
     wrapped = [DTensor(t, s, requires_grad=False) for t, s in zip(outs, specs)]
     return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
 
