@@ -82,7 +82,7 @@ from typing import Sequence
 from shardwise.placement import Placement
 from shardwise.spec import local_shape_and_offset
 
-__all__ = ["Bound", "lower_bound", "blocks", "needs_value"]
+__all__ = ["Bound", "lower_bound", "reducing_total", "blocks", "needs_value"]
 
 Layout = tuple[Placement, ...]
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
@@ -178,6 +178,13 @@ def _bound(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Lay
     return _from_counts(_count(shape, mesh_shape, src, dst), itemsize)
 
 
+@lru_cache(maxsize=4096)
+def reducing_total(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> int:
+    """Elements all ranks must send when every Partial axis of the source is reduced (no
+    reduction kept pending): what ``reduce_forward`` sends."""
+    return _count(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst)).total
+
+
 def _from_counts(counts: "_Counts", itemsize: int) -> Bound:
     return Bound(tuple(x * itemsize for x in counts.lacks), counts.total * itemsize,
                  counts.busiest * itemsize, counts.busiest_any * itemsize)
@@ -208,10 +215,10 @@ def _count(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> _Counts
     members: dict = {}
     for r, k in enumerate(klass):
         members.setdefault(k, []).append(r)
-    for cell in _cells(shape, src_blocks + dst_blocks):
+    for cell in cells(shape, src_blocks + dst_blocks):
         v = volume(cell)
-        holders = {r for r in range(ranks) if _contains(src_blocks[r], cell)}
-        wanting = [r for r in needers if _contains(dst_blocks[r], cell)]
+        holders = {r for r in range(ranks) if contains(src_blocks[r], cell)}
+        wanting = [r for r in needers if contains(dst_blocks[r], cell)]
         if not wanting:
             continue
         if n == 1:
@@ -240,11 +247,11 @@ def _count(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> _Counts
     return out
 
 
-def _contains(block: Box, cell: Box) -> bool:
+def contains(block: Box, cell: Box) -> bool:
     return all(o <= c and c + m <= o + n for o, n, c, m in zip(block[0], block[1], cell[0], cell[1]))
 
 
-def _cells(shape: tuple, boxes: list[Box]) -> list[Box]:
+def cells(shape: tuple, boxes: list[Box]) -> list[Box]:
     """The tensor cut at every edge of every box: each cell lies wholly inside or outside each box."""
     cuts = []
     for d, size in enumerate(shape):

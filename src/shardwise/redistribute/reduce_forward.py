@@ -1,0 +1,132 @@
+"""Reduce at a consumer, then forward: two all_to_alls that resolve a Partial source (pure).
+
+A reduce_scatter reduces each element at a rank chosen by its position on the axis, not by who
+needs it, so the axis-by-axis plans of a Partial source may move an element's value again after
+reducing it. This schedule (``bound.py`` proves it meets the least total a Partial source needs)
+reduces every element where it is needed:
+
+* round 1: for each element a *first owner* ``f`` is chosen among the ranks ``T`` that need it
+  (one that holds a contribution if some rank of ``T`` does). One holder of each other
+  contribution sends it to ``f``, which reduces them with its own;
+* round 2: ``f`` sends the reduced value to the rest of ``T``.
+
+Elements are cut into runs (row-major within a cell of ``bound``'s grid); the first owner of
+each run and the holder that sends each contribution are chosen run by run, greedily, to keep
+the busiest rank low (``plan_reduce_forward``): runs shrink geometrically, so the last choices
+are of single elements. Both rounds are all_to_alls with per-peer counts over the flattened
+group of the axes the transfers cross. Every Partial axis of the source (of more than one rank)
+is reduced, with one op; a Partial target (one op) gets the value where it needs one
+(``bound.needs_value``) and the reduction's identity elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardwise.placement import Placement
+from shardwise.redistribute.bound import cells, contains, blocks, coordinates, needs_value, volume
+from shardwise.redistribute.exchange import Transfer
+
+__all__ = ["ReduceForward", "plan_reduce_forward", "forwardable"]
+
+Layout = tuple[Placement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceForward:
+    """The two rounds. ``first``: contributions to first owners (``source`` names the sender's
+    contribution class by its first rank); ``second``: reduced values from first owners (``source``
+    is the sender). ``op`` reduces the ``n`` contributions of an element. ``sends``: elements each
+    rank sends over both rounds; ``round_sends`` per round; ``axes``: every mesh axis crossed."""
+
+    first: tuple[Transfer, ...]
+    second: tuple[Transfer, ...]
+    op: str
+    n: int
+    sends: tuple[int, ...]
+    round_sends: tuple[tuple[int, ...], tuple[int, ...]]
+    axes: tuple[int, ...]
+
+
+def _partial_ops(layout: Layout, mesh_shape: tuple) -> set[str]:
+    return {p.reduce_op for p, m in zip(layout, mesh_shape) if p.is_partial() and m > 1}  # type: ignore[attr-defined]
+
+
+def forwardable(mesh_shape: tuple, src: Layout, dst: Layout) -> bool:
+    """Whether the schedule applies: a Partial source of one op, a target of at most one op."""
+    return len(_partial_ops(src, mesh_shape)) == 1 and len(_partial_ops(dst, mesh_shape)) <= 1
+
+
+@lru_cache(maxsize=1024)
+def plan_reduce_forward(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> ReduceForward:
+    """The schedule from ``src`` to ``dst`` (module docstring); ValueError when not ``forwardable``."""
+    if not forwardable(mesh_shape, src, dst):
+        raise ValueError(f"no reduce-forward schedule from {list(src)} to {list(dst)}: the source needs Partial "
+                         "axes of one reduce op and the target at most one op")
+    coords = coordinates(mesh_shape)
+    ranks = len(coords)
+    op = next(iter(_partial_ops(src, mesh_shape)))
+    n = math.prod(m for p, m in zip(src, mesh_shape) if p.is_partial() and m > 1)
+    src_blocks, dst_blocks = blocks(shape, mesh_shape, src), blocks(shape, mesh_shape, dst)
+    cutting = [a for a, p in enumerate(src) if not p.is_replicate() and mesh_shape[a] > 1]
+    klass = [tuple(c[a] for a in cutting) for c in coords]
+    needers = [r for r, c in enumerate(coords) if needs_value(dst, c)]
+    loads = [0] * ranks
+    per_round: tuple[list[int], list[int]] = ([0] * ranks, [0] * ranks)
+    first: list[Transfer] = []
+    second: list[Transfer] = []
+    work = []
+    for cell in cells(shape, src_blocks + dst_blocks):
+        v = volume(cell)
+        wanting = [r for r in needers if contains(dst_blocks[r], cell)]
+        if not v or not wanting:
+            continue
+        classes: dict = {}
+        for r in range(ranks):
+            if contains(src_blocks[r], cell):
+                classes.setdefault(klass[r], []).append(r)
+        holding = sorted(r for m in classes.values() for r in m)
+        # With no holder of the element among T, the sum may as well form at a holder that then
+        # sends it to all of T: n - 1 + |T| messages either way.
+        owners = [r for r in wanting if r in holding] or sorted(set(wanting) | set(holding))
+        work.append((len(owners), cell, v, wanting, owners, list(classes.values())))
+    work.sort(key=lambda w: w[0])  # the most constrained cells first: their loads are forced
+    for _, cell, v, wanting, owners, classes in work:
+        start = 0
+        while start < v:
+            size = max(1, (v - start) // (8 * len(owners)))
+            f, senders = _choose(loads, owners, classes, wanting, size)
+            stop = start + size
+            for s, members in senders:
+                first.append(Transfer(s, f, cell, start, stop, members[0]))
+                loads[s] += size
+                per_round[0][s] += size
+            for g in wanting:
+                if g != f:
+                    second.append(Transfer(f, g, cell, start, stop, f))
+                    loads[f] += size
+                    per_round[1][f] += size
+            start = stop
+    axes = sorted({a for t in first + second for a in range(len(mesh_shape)) if coords[t.sender][a] != coords[t.receiver][a]})
+    return ReduceForward(tuple(first), tuple(second), op, n, tuple(loads),
+                         (tuple(per_round[0]), tuple(per_round[1])), tuple(axes))
+
+
+def _choose(loads: list[int], owners: list[int], classes: list[list[int]], wanting: list[int],
+            size: int) -> tuple[int, list[tuple[int, list[int]]]]:
+    """The first owner of a run of ``size`` elements and, per other contribution class, its
+    sender: the choice whose busiest rank after it is least (then the least loaded owner, then
+    the lowest rank), senders the least loaded member of their class."""
+    best = None
+    for f in owners:
+        senders = [(min(m, key=lambda r: (loads[r], r)), m) for m in classes if f not in m]
+        fan_out = len(wanting) - (f in wanting)
+        after = [loads[f] + fan_out * size] + [loads[s] + size for s, _ in senders]
+        key = (max(after), loads[f], f)
+        if best is None or key < best[0]:
+            best = (key, f, senders)
+    assert best is not None
+    return best[1], best[2]
+
