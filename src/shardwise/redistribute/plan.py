@@ -314,11 +314,11 @@ class _Context:
     def reduce_forward(self, src: Layout, dst: Layout, beat: int) -> Step | None:
         """The two-all_to_all step that reduces every element of a Partial source at a rank
         that needs it, then forwards it (``reduce_forward.py``), or None when it does not apply
-        or cannot send fewer bytes in all than ``beat`` (it sends ``bound``'s reducing total)."""
+        or sends more bytes in all than ``beat`` (it sends ``bound``'s reducing total)."""
         if not forwardable(self.mesh_shape, src, dst) or math.prod(self.mesh_shape) > EXCHANGE_MAX_RANKS:
             return None
         partial = tuple(a for a, (p, m) in enumerate(zip(src, self.mesh_shape)) if p.is_partial() and m > 1)
-        if self.group(partial) is None or reducing_total(self.shape, self.mesh_shape, src, dst) * self.itemsize >= beat:
+        if self.group(partial) is None or reducing_total(self.shape, self.mesh_shape, src, dst) * self.itemsize > beat:
             return None
         rf = plan_reduce_forward(self.shape, self.mesh_shape, src, dst)
         group = self.group(rf.axes) if rf.axes else None

@@ -93,25 +93,78 @@ def plan_reduce_forward(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layou
         owners = [r for r in wanting if r in holding] or sorted(set(wanting) | set(holding))
         work.append((len(owners), cell, v, wanting, owners, list(classes.values())))
     work.sort(key=lambda w: w[0])  # the most constrained cells first: their loads are forced
+    pieces: list[_Piece] = []
     for _, cell, v, wanting, owners, classes in work:
         start = 0
         while start < v:
             size = max(1, (v - start) // (8 * len(owners)))
-            f, senders = _choose(loads, owners, classes, wanting, size)
-            stop = start + size
-            for s, members in senders:
-                first.append(Transfer(s, f, cell, start, stop, members[0]))
-                loads[s] += size
-                per_round[0][s] += size
-            for g in wanting:
-                if g != f:
-                    second.append(Transfer(f, g, cell, start, stop, f))
-                    loads[f] += size
-                    per_round[1][f] += size
-            start = stop
+            piece = _Piece(cell, start, start + size, wanting, owners, classes)
+            piece.assign(loads, *_choose(loads, owners, classes, wanting, size))
+            pieces.append(piece)
+            start += size
+    _improve(pieces, loads)
+    for piece in pieces:
+        for s, members in piece.senders:
+            first.append(Transfer(s, piece.f, piece.cell, piece.start, piece.stop, members[0]))
+            per_round[0][s] += piece.stop - piece.start
+        for g in piece.wanting:
+            if g != piece.f:
+                second.append(Transfer(piece.f, g, piece.cell, piece.start, piece.stop, piece.f))
+                per_round[1][piece.f] += piece.stop - piece.start
     axes = sorted({a for t in first + second for a in range(len(mesh_shape)) if coords[t.sender][a] != coords[t.receiver][a]})
     return ReduceForward(tuple(first), tuple(second), op, n, tuple(loads),
                          (tuple(per_round[0]), tuple(per_round[1])), tuple(axes))
+
+
+class _Piece:
+    """A run of one cell with its choice: first owner ``f`` and the ``senders`` of the other
+    contributions (each with its class's members)."""
+
+    def __init__(self, cell, start: int, stop: int, wanting: list[int], owners: list[int], classes: list) -> None:
+        self.cell, self.start, self.stop = cell, start, stop
+        self.wanting, self.owners, self.classes = wanting, owners, classes
+        self.f = -1
+        self.senders: list[tuple[int, list[int]]] = []
+
+    def load(self) -> dict[int, int]:
+        """Elements each rank sends for this piece under its current choice."""
+        size, out = self.stop - self.start, {}
+        for s, _ in self.senders:
+            out[s] = out.get(s, 0) + size
+        fan_out = len(self.wanting) - (self.f in self.wanting)
+        out[self.f] = out.get(self.f, 0) + fan_out * size
+        return out
+
+    def assign(self, loads: list[int], f: int, senders: list[tuple[int, list[int]]], sign: int = 1) -> None:
+        self.f, self.senders = f, senders
+        for r, e in self.load().items():
+            loads[r] += sign * e
+
+
+def _improve(pieces: list[_Piece], loads: list[int], rounds: int = 4) -> None:
+    """Local search after the greedy pass: take a piece off the busiest rank and choose again
+    for it, kept when the loads of the ranks it touches, largest first, become smaller. Greedy choices made
+    early (before later cells' loads were known) are revisited; a few sweeps suffice."""
+    for _ in range(rounds):
+        moved = False
+        for piece in sorted(pieces, key=lambda p: p.start - p.stop):  # large pieces first
+            top = max(loads)
+            touched = piece.load()
+            if max(loads[r] for r in touched) < top:
+                continue
+            old = (piece.f, piece.senders)
+            piece.assign(loads, *old, sign=-1)
+            f, senders = _choose(loads, piece.owners, piece.classes, piece.wanting, piece.stop - piece.start)
+            piece.assign(loads, f, senders)
+            union = set(piece.load()) | set(touched)
+            before = sorted((loads[r] - piece.load().get(r, 0) + touched.get(r, 0) for r in union), reverse=True)
+            if sorted((loads[r] for r in union), reverse=True) >= before and (f, senders) != old:
+                piece.assign(loads, f, senders, sign=-1)
+                piece.assign(loads, *old)
+            else:
+                moved = moved or (f, senders) != old
+        if not moved:
+            return
 
 
 def _choose(loads: list[int], owners: list[int], classes: list[list[int]], wanting: list[int],
