@@ -286,8 +286,15 @@ def _run_reduce_forward(local: torch.Tensor, step: Step, spec: DTensorSpec, layo
     if not wants_value:
         out = _identity(out, step.target)
 
+    flat_cells: dict = {}  # box -> this rank's contribution to it, flat (one copy per cell)
+
+    def cell(box) -> torch.Tensor:
+        if box not in flat_cells:
+            flat_cells[box] = _region(local, src_offset, box).reshape(-1)
+        return flat_cells[box]
+
     def held(t) -> torch.Tensor:  # this rank's contribution to the run of ``t``
-        return _region(local, src_offset, t.box).reshape(-1)[t.start:t.stop]
+        return cell(t.box)[t.start:t.stop]
 
     first = group.mine(rf.first)
     got = group.exchange(local, first, held)
@@ -300,7 +307,7 @@ def _run_reduce_forward(local: torch.Tensor, step: Step, spec: DTensorSpec, layo
             gathered[(t.box, t.start)][1].append(run)
     values: dict = {}  # (box, start) -> reduced run, at its first owner
     for (box, start), (stop, runs) in gathered.items():
-        own = [] if len(runs) == rf.n else [_region(local, src_offset, box).reshape(-1)[start:stop]]
+        own = [] if len(runs) == rf.n else [cell(box)[start:stop]]
         values[(box, start)] = _reduce(torch.stack(own + runs), rf.op, rf.n)
     second = group.mine(rf.second)
     got = group.exchange(local, second, lambda t: values[(t.box, t.start)])

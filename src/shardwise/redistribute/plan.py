@@ -23,9 +23,15 @@ sends every rank exactly what it lacks. It starts from the source, from a layout
 reaches by reducing the source's Partial axes, or (a Partial(sum) source) it reduces on the way
 (a reducing exchange), possibly into a fully sharded refinement of the target first. The plan
 sent is the one with the fewest bytes over all ranks, then the fewest for the busiest rank
-(``Plan.sends`` counts every rank), then the axis-by-axis one. ``bound.py`` defines the lower
-bounds these plans are held to: without a Partial source the chosen plan meets the total and
-the one-round busiest-rank bound whenever the group exists; with one it may not (bound.py).
+(``Plan.sends`` counts every rank), then the axis-by-axis one.
+
+A Partial source may also be resolved in one *reduce-forward* step (``reduce_forward.py``):
+each element's contributions reach a rank that needs it, which reduces and forwards the value
+(two all_to_alls). It sends the least total a full reduction can; it is taken when it sends
+fewer bytes over all ranks than the best plan above, or as many, and never when its busiest
+rank would send more. ``bound.py`` defines the lower bounds these plans are held to: without a
+Partial source the chosen plan meets the total and the one-round busiest-rank bound whenever
+the group exists; with one it may not (bound.py says where and why).
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def plan_reduce_forward(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layou
             pieces.append(piece)
             start += size
     _improve(pieces, loads)
-    for piece in pieces:
+    for piece in _merged(pieces):
         for s, members in piece.senders:
             first.append(Transfer(s, piece.f, piece.cell, piece.start, piece.stop, members[0]))
             per_round[0][s] += piece.stop - piece.start
@@ -165,6 +165,24 @@ def _improve(pieces: list[_Piece], loads: list[int], rounds: int = 4) -> None:
                 moved = moved or (f, senders) != old
         if not moved:
             return
+
+
+def _merged(pieces: list[_Piece]) -> list[_Piece]:
+    """The runs of each cell regrouped by their choice, one run per choice: the loads depend on
+    how many elements take each choice, not on which, and fewer, longer runs move faster."""
+    by_cell: dict = {}
+    for piece in pieces:
+        by_cell.setdefault(piece.cell, {}).setdefault((piece.f, tuple(s for s, _ in piece.senders)), []).append(piece)
+    out: list[_Piece] = []
+    for cell, choices in by_cell.items():
+        start = 0
+        for _, group in sorted(choices.items()):
+            first, size = group[0], sum(p.stop - p.start for p in group)
+            run = _Piece(cell, start, start + size, first.wanting, first.owners, first.classes)
+            run.f, run.senders = first.f, first.senders
+            out.append(run)
+            start += size
+    return out
 
 
 def _choose(loads: list[int], owners: list[int], classes: list[list[int]], wanting: list[int],
