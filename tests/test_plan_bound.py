@@ -288,9 +288,9 @@ def _forwarded(cases):
 
 def test_reduce_forward_steps_on_real_ranks(dist):
     # Every op of a Partial source; uneven blocks; a target that is itself Partial.
-    cases = [((2, 2), (7, 5), ("sum", "max"), 8), ((2, 2), (8, 4), ("avg", "min"), 6)]
+    cases = [((2, 2), (7, 5), ("sum", "max"), 6), ((2, 2), (8, 4), ("avg", "min"), 4)]
     out = dist.run(4, _forwarded, cases, timeout=120)
-    assert len(out[0]) >= 12, sorted(out[0])
+    assert len(out[0]) >= 8, sorted(out[0])
     for key in out[0]:
         placed, full, want, _, _, plan = out[0][key]
         assert placed and torch.allclose(full, want), f"{key}: wrong values ({plan})"

@@ -323,8 +323,11 @@ class _Context:
         or sends more bytes in all than ``beat`` (it sends ``bound``'s reducing total)."""
         if not forwardable(self.mesh_shape, src, dst) or math.prod(self.mesh_shape) > EXCHANGE_MAX_RANKS:
             return None
-        partial = tuple(a for a, (p, m) in enumerate(zip(src, self.mesh_shape)) if p.is_partial() and m > 1)
-        if self.group(partial) is None or reducing_total(self.shape, self.mesh_shape, src, dst) * self.itemsize > beat:
+        # Axes it must cross: every Partial one, and every one leaving a Shard (each block is
+        # held only at its coordinate and needed at others); no group over them, no step.
+        crossed = tuple(a for a, (p, q, m) in enumerate(zip(src, dst, self.mesh_shape))
+                        if m > 1 and (p.is_partial() or p.is_shard() and p != q))
+        if self.group(crossed) is None or reducing_total(self.shape, self.mesh_shape, src, dst) * self.itemsize > beat:
             return None
         rf = plan_reduce_forward(self.shape, self.mesh_shape, src, dst)
         group = self.group(rf.axes) if rf.axes else None

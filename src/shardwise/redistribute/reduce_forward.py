@@ -125,9 +125,13 @@ class _Piece:
         self.wanting, self.owners, self.classes = wanting, owners, classes
         self.f = -1
         self.senders: list[tuple[int, list[int]]] = []
+        self.loads: dict[int, int] = {}
 
     def load(self) -> dict[int, int]:
         """Elements each rank sends for this piece under its current choice."""
+        return self.loads
+
+    def _load(self) -> dict[int, int]:
         size, out = self.stop - self.start, {}
         for s, _ in self.senders:
             out[s] = out.get(s, 0) + size
@@ -137,7 +141,8 @@ class _Piece:
 
     def assign(self, loads: list[int], f: int, senders: list[tuple[int, list[int]]], sign: int = 1) -> None:
         self.f, self.senders = f, senders
-        for r, e in self.load().items():
+        self.loads = self._load()
+        for r, e in self.loads.items():
             loads[r] += sign * e
 
 
@@ -180,6 +185,7 @@ def _merged(pieces: list[_Piece]) -> list[_Piece]:
             first, size = group[0], sum(p.stop - p.start for p in group)
             run = _Piece(cell, start, start + size, first.wanting, first.owners, first.classes)
             run.f, run.senders = first.f, first.senders
+            run.loads = run._load()
             out.append(run)
             start += size
     return out
