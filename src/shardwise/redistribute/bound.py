@@ -62,7 +62,16 @@ Partial sources (pending reductions)
     its contribution to (0, 0), which alone can send the value to (0, 1); rows 4-6 (9 elements)
     likewise make (0, 0) send to (1, 0). Rank (0, 0) sends at least 21 elements (84 B) in any
     schedule that meets ``total`` (70 elements), while ``busiest`` is ceil(70 / 4) = 18
-    (72 B). The least busiest rank among the schedules that meet ``total`` is the optimum of
+    (72 B). In two rounds, rounding can force it too: (2, 2, 2), 7x5, ``(Partial, Partial,
+    Replicate) -> (Replicate, Partial, Replicate)`` reduced at once (840 B, the bound): the
+    four ranks at coordinate 0 of axis 1 need every element and hold two contribution classes
+    A and B of two ranks each; after round one only the first owner knows a value, so per
+    element it sends 3 values and one rank of the other class 1; if X of the 35 elements have
+    their first owner in A, A's ranks send 3X + (35 - X) elements, which must be 70 for each
+    of the four to send 35 (140 B): X = 17.5. So some rank sends 36 (144 B) in every
+    two-round schedule meeting ``total`` (a third round relaying values could spread it),
+    while one all_reduce over axis 0 (1,120 B in all) has every rank send 140 B. The least
+    busiest rank among the schedules that meet ``total`` is the optimum of
     an integer program (which rank reduces each element, which holder sends each
     contribution, who forwards); it is not computed here. ``reduce_forward`` chooses greedily
     and then improves by local search, without a proof of optimality, and the planner takes it
