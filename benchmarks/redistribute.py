@@ -20,7 +20,9 @@ and every pair of layouts over {R, S0, S1, P(sum)} per mesh axis (a deterministi
   elements; all_to_all input minus the part kept locally; broadcast/scatter what the source sends.
 * the true lower bound (``shardwise.redistribute.bound``): what all ranks together must send
   (the sum of what each rank lacks, or the reduction's minimum for Partial sources) and the
-  least the busiest rank sends in one round (a plan of several steps may relay below it);
+  least the busiest rank sends in one round (a plan of several steps may relay below it; for
+  Partial sources the any-schedule bound, which bound.py shows is not always reachable
+  together with the total: rows marked "sw max > LB" there may be at their best);
 * median wall time over --reps repetitions (barrier before each, the slowest rank's time);
 * correctness: the result's placements, this rank's block, and full_tensor() must equal the
   source global tensor, for both libraries. Any mismatch is printed as WRONG and the run exits 3.

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from shardwise import Partial, Replicate, Shard
 from shardwise.redistribute import plan_redistribute
-from shardwise.redistribute.bound import blocks, coordinates, lower_bound, needs_value
+from shardwise.redistribute.bound import blocks, coordinates, lower_bound, needs_value, reducing_total
 from shardwise.redistribute.exchange import plan_exchange
+from shardwise.redistribute.reduce_forward import forwardable, plan_reduce_forward
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 F32 = 4
@@ -59,9 +60,64 @@ def test_plans_from_values_meet_the_lower_bound(case):
 @settings(max_examples=150, deadline=None)
 @given(_cases(partial_source=True))
 def test_plans_from_partial_sources_never_beat_the_bound(case):
+    mesh_shape, shape, src, dst = case
     _, plan, bound = _plan_and_bound(case)
     assert plan.total_bytes >= bound.total, f"{plan}: {plan.sends} vs {bound}"
     assert plan.busiest_bytes >= bound.busiest_any, f"{plan}: {plan.sends} vs {bound}"
+    if any(s.rounds for s in plan.steps):  # reduce-forward: the least total of a full reduction
+        assert plan.total_bytes == reducing_total(shape, mesh_shape, src, dst) * F32, str(plan)
+    kept = any(p.is_partial() and p == q for p, q in zip(src, dst))
+    if not forwardable(mesh_shape, src, dst):  # its Partial axes all have one rank
+        return
+    forward = plan_reduce_forward(shape, mesh_shape, src, dst)
+    if not kept:  # the schedule the planner may take meets the total bound, Partial or not
+        assert sum(forward.sends) * F32 == bound.total, f"{forward.sends} vs {bound}"
+
+
+@settings(max_examples=100, deadline=None)
+@given(_cases(partial_source=True), st.sampled_from(["sum", "avg", "max", "min"]))
+def test_reduce_forward_schedule_builds_every_target_block(case, op):
+    """Replays both rounds on in-memory blocks: every needer ends with the reduced value."""
+    mesh_shape, shape, src, dst = case
+    src = tuple(Partial(op) if p.is_partial() else p for p in src)
+    dst = tuple(Partial(op) if p.is_partial() else p for p in dst)
+    coords = coordinates(mesh_shape)
+    partial_axes = [a for a, p in enumerate(src) if p.is_partial()]
+    gen = torch.Generator().manual_seed(0)
+    contributions = {k: torch.randint(-9, 9, shape, generator=gen).double()
+                     for k in itertools.product(*(range(mesh_shape[a]) for a in partial_axes))}
+    stacked = torch.stack(list(contributions.values()))
+    x = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+    if not forwardable(mesh_shape, src, dst):  # its Partial axes all have one rank
+        return
+    rf = plan_reduce_forward(shape, mesh_shape, src, dst)
+    src_b, dst_b = blocks(shape, mesh_shape, src), blocks(shape, mesh_shape, dst)
+    held = [_cut(contributions[tuple(c[a] for a in partial_axes)], src_b[r]) for r, c in enumerate(coords)]
+    runs: dict = {}  # (receiver, box, start) -> contributions
+    for t in rf.first:
+        assert t.sender != t.receiver and _inside(t.box, src_b[t.sender])
+        runs.setdefault((t.receiver, t.box, t.start), []).append(
+            _cut_block(held[t.sender], src_b[t.sender], t.box).reshape(-1)[t.start:t.stop])
+    value = {}
+    for (f, box, start), got in runs.items():
+        if len(got) < rf.n:  # the first owner adds its own contribution
+            got.append(_cut_block(held[f], src_b[f], box).reshape(-1)[start:start + got[0].numel()])
+        assert len(got) == rf.n
+        value[(f, box, start)] = torch.stack(got)
+    value = {k: {"sum": v.sum(0), "avg": v.mean(0), "max": v.amax(0), "min": v.amin(0)}[op] for k, v in value.items()}
+    known = dict(value)
+    for t in rf.second:
+        known[(t.receiver, t.box, t.start)] = value[(t.sender, t.box, t.start)]
+    for r, c in enumerate(coords):
+        if not needs_value(dst, c):
+            continue
+        block = torch.full(dst_b[r][1], float("nan"), dtype=x.dtype)
+        for (who, box, start), run in known.items():
+            if who == r and _inside(box, dst_b[r]):
+                flat = _cut_block(block, dst_b[r], box).reshape(-1).clone()
+                flat[start:start + run.numel()] = run
+                _cut_block(block, dst_b[r], box).copy_(flat.view(box[1]))
+        assert torch.allclose(block, _cut(x, dst_b[r])), f"rank {c}: {src}->{dst}"
 
 
 def test_reductions_meet_the_partial_bound():
@@ -182,3 +238,60 @@ def _overlap(a, b):
     if all(h > l for l, h in zip(lo, hi)):
         return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
     return None
+
+
+def _forwarded(cases):
+    """Run, on this rank, Partial-source transitions whose plan is a reduce-forward step, from
+    random contributions (seeded: every rank builds the same ones). Returns per transition the
+    full tensor after it, the value it should be, the bytes this rank sent and the plan's."""
+    import random
+
+    import shardwise as sw
+    from shardwise.debug import CommDebugMode
+    from shardwise.redistribute.execute import flattened_groups
+    from shardwise.spec import local_shape_and_offset
+
+    results = {}
+    for mesh_shape, shape, ops, limit in cases:
+        mesh = sw.init_device_mesh("cpu", mesh_shape)
+        flattened = flattened_groups(mesh)
+        coordinate = tuple(mesh.get_coordinate())
+        me = coordinates(mesh_shape).index(coordinate)
+        pairs = []
+        for op in ops:
+            values = [R, Partial(op), *(Shard(d) for d in range(len(shape)))]
+            layouts = list(itertools.product(values, repeat=len(mesh_shape)))
+            pairs += [(s, d) for s in layouts for d in layouts if any(p.is_partial() for p in s)]
+        random.Random(0).shuffle(pairs)
+        forwarded = (pair for pair in pairs
+                     if any(st.rounds for st in plan_redistribute(shape, F32, mesh_shape, *pair, flattened).steps))
+        for src, dst in itertools.islice(forwarded, limit):
+            partial_axes = [a for a, p in enumerate(src) if p.is_partial()]
+            gen = torch.Generator().manual_seed(1)
+            contributions = {k: torch.randint(-9, 9, shape, generator=gen).float()
+                             for k in itertools.product(*(range(mesh_shape[a]) for a in partial_axes))}
+            stacked = torch.stack(list(contributions.values()))
+            op = next(p.reduce_op for p in src if p.is_partial())
+            want = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+            size, offset = local_shape_and_offset(shape, mesh_shape, coordinate, src)
+            mine = contributions[tuple(coordinate[a] for a in partial_axes)]
+            local = mine[tuple(slice(o, o + n) for o, n in zip(offset, size))].contiguous()
+            start = sw.DTensor.from_local(local, mesh, src, shape=shape, stride=torch.empty(shape).stride())
+            with CommDebugMode() as comms:
+                out = start.redistribute(mesh, dst)
+            plan = plan_redistribute(shape, F32, mesh_shape, src, dst, flattened)
+            results[(mesh_shape, shape, src, dst)] = (
+                out.placements == dst, out.full_tensor(), want,
+                sum(r.bytes_sent for r in comms.records), plan.sends[me], str(plan))
+    return results
+
+
+def test_reduce_forward_steps_on_real_ranks(dist):
+    # Every op of a Partial source; uneven blocks; a target that is itself Partial.
+    cases = [((2, 2), (7, 5), ("sum", "max"), 6), ((2, 2), (8, 4), ("avg", "min"), 4)]
+    out = dist.run(4, _forwarded, cases, timeout=120)
+    assert len(out[0]) >= 8, sorted(out[0])
+    for key in out[0]:
+        placed, full, want, _, _, plan = out[0][key]
+        assert placed and torch.allclose(full, want), f"{key}: wrong values ({plan})"
+        assert [o[key][3] for o in out] == [o[key][4] for o in out], f"{key}: bytes differ from the plan ({plan})"

@@ -107,10 +107,10 @@ def _check(out, mesh_shape, shape):
         assert torch.allclose(logical, x), f"{src}->{dst}: wrong values"
         assert all(p[0] == dst for p in per_rank), f"{src}->{dst}: wrong placements"
         plan = plan_redistribute(shape, 8, mesh_shape, src, dst, flattened)
-        steps = [s for s in plan.steps if s.collective in plan.collectives]
+        steps = plan.issued  # (collective, busiest rank's bytes); a reduce-forward step's two rounds
         for rank, (_, _, _, _, kinds, sent) in enumerate(per_rank):
             # A group whose blocks are all empty skips a step, together; no rank sends more.
-            planned = iter((s.collective, s.bytes_per_rank) for s in steps)
+            planned = iter(steps)
             assert all(any(k == c and b <= limit for c, limit in planned) for k, b in zip(kinds, sent)), (
                 f"{src}->{dst}: rank {rank} ran {list(zip(kinds, sent))}, plan {plan}")
         # Every rank sent what the plan counts for it (exchanges whose group has nothing to
@@ -120,7 +120,7 @@ def _check(out, mesh_shape, shape):
         assert sent_by == want, f"{src}->{dst}: ranks sent {sent_by}, plan {plan} counts {want}"
         if all(len(p[5]) == len(steps) for p in per_rank):
             busiest = [max(s) for s in zip(*(p[5] for p in per_rank))]
-            assert not busiest or busiest == [s.bytes_per_rank for s in steps], (
+            assert not busiest or busiest == [b for _, b in steps], (
                 f"{src}->{dst}: busiest rank sent {busiest}, plan {plan}")
 
 

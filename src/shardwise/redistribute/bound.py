@@ -44,17 +44,46 @@ Partial sources (pending reductions)
     The all_reduce byte formula (``numel + (n-2) ceil(numel/n)`` per rank) meets ``total``
     only when ``n`` divides the block; gloo's collectives are not counted below that grain.
     ``total`` is tight for every Partial source: pick for each element a first owner ``f`` in
-    T holding one of its contributions (any rank of T if none does); in round one one holder
-    of each other contribution sends it to ``f``, which adds them; in round two ``f`` sends the
+    T holding one of its contributions (when no rank of T holds one: any rank of T, or a holder
+    that then sends the value to all of T, the same count); in round one one holder of each
+    other contribution sends it to ``f``, which reduces them; in round two ``f`` sends the
     value to the rest of T. That is exactly the count above, and both rounds are all_to_alls
-    with per-peer counts over the flattened group. The planner has no such "reduce at a
-    consumer, then forward" step (a reduce_scatter reduces at ranks chosen by position, not
-    by need), so some plans stay above the bound: e.g. (2, 2), 8x8 float32,
-    ``(Shard(0), Partial) -> (Replicate, Shard(0))`` sends reduce_scatter + all_to_all = 640 B
-    against 512 B (two-round schedule: 512 B, busiest 128 B = ``busiest``). Over the (2, 2)
-    mesh's 112 Partial-source transitions of an 8x8 tensor the plan's total is above ``total``
-    in 8 (at most 1.5x); over the (2, 2, 2) mesh's 2368, in 758 (mean 1.08x, at most 1.75x).
-    The busiest-rank figure is not proven reachable for Partial sources.
+    with per-peer counts over the flattened group: the planner's reduce-forward step
+    (``reduce_forward.py``), which meets ``total`` on every transition it applies to (one
+    reduce op in the source, at most one in the target; tests/test_plan_bound.py).
+
+    ``busiest`` (= ``busiest_any``) is a lower bound for any schedule, but no schedule meets it
+    together with ``total`` in general. A schedule that sends exactly ``total`` sends, per
+    element, exactly one message out of each contribution class but the first owner's and one
+    into each other rank of T (the counts above, with equality), and only a rank that knows
+    the value can send the latter to a rank holding no contribution. Example: (2, 2), 7x5
+    float32, ``(Partial, Shard(1)) -> (Shard(0), Replicate)``: rows 0-3 of columns 0-2 (12
+    elements) are held by (0, 0) and (1, 0) and needed by (0, 0) and (0, 1), so (1, 0) sends
+    its contribution to (0, 0), which alone can send the value to (0, 1); rows 4-6 (9 elements)
+    likewise make (0, 0) send to (1, 0). Rank (0, 0) sends at least 21 elements (84 B) in any
+    schedule that meets ``total`` (70 elements), while ``busiest`` is ceil(70 / 4) = 18
+    (72 B). In two rounds, rounding can force it too: (2, 2, 2), 7x5, ``(Partial, Partial,
+    Replicate) -> (Replicate, Partial, Replicate)`` reduced at once (840 B, the bound): the
+    four ranks at coordinate 0 of axis 1 need every element and hold two contribution classes
+    A and B of two ranks each; after round one only the first owner knows a value, so per
+    element it sends 3 values and one rank of the other class 1; if X of the 35 elements have
+    their first owner in A, A's ranks send 3X + (35 - X) elements, which must be 70 for each
+    of the four to send 35 (140 B): X = 17.5. So some rank sends 36 (144 B) in every
+    two-round schedule meeting ``total`` (a third round relaying values could spread it),
+    while one all_reduce over axis 0 (1,120 B in all) has every rank send 140 B. The least
+    busiest rank among the schedules that meet ``total`` is the optimum of
+    an integer program (which rank reduces each element, which holder sends each
+    contribution, who forwards); it is not computed here. ``reduce_forward`` chooses greedily
+    and then improves by local search, without a proof of optimality, and the planner takes it
+    only when its busiest rank sends no more than the axis-by-axis plan's (so some plans keep a
+    total above ``total``). Figures, every flattened group available, Partial(sum) sources,
+    every target over {R, S0, S1, P}: the plan's total is above ``total`` on (2, 2) 8x8 in 4 of
+    112 transitions (before reduce-forward: 8), on (2, 2, 2) 8x8 in 359 of 2368 (before: 758),
+    7x5 in 361 (before: 783); of those, 4, 240 and 240 are transitions where keeping a
+    reduction pending is cheaper (Partial targets, below), which no plan step does without
+    reducing yet. The busiest rank is above ``busiest`` on (2, 2) 8x8 in 0 (before: 10),
+    (2, 2) 7x5 in 16 (before: 31), (2, 2, 2) 8x8 in 562 (before: 834), 7x5 in 963 (before:
+    1423); some of these, like the example, are forced.
 
 Partial targets
     A Partial target holds the value on the ranks at coordinate 0 of its Partial axes and the
@@ -82,7 +111,7 @@ from typing import Sequence
 from shardwise.placement import Placement
 from shardwise.spec import local_shape_and_offset
 
-__all__ = ["Bound", "lower_bound", "blocks", "needs_value"]
+__all__ = ["Bound", "lower_bound", "reducing_total", "blocks", "needs_value"]
 
 Layout = tuple[Placement, ...]
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
@@ -178,6 +207,13 @@ def _bound(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Lay
     return _from_counts(_count(shape, mesh_shape, src, dst), itemsize)
 
 
+@lru_cache(maxsize=4096)
+def reducing_total(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> int:
+    """Elements all ranks must send when every Partial axis of the source is reduced (no
+    reduction kept pending): what ``reduce_forward`` sends."""
+    return _count(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst)).total
+
+
 def _from_counts(counts: "_Counts", itemsize: int) -> Bound:
     return Bound(tuple(x * itemsize for x in counts.lacks), counts.total * itemsize,
                  counts.busiest * itemsize, counts.busiest_any * itemsize)
@@ -208,10 +244,10 @@ def _count(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> _Counts
     members: dict = {}
     for r, k in enumerate(klass):
         members.setdefault(k, []).append(r)
-    for cell in _cells(shape, src_blocks + dst_blocks):
+    for cell in cells(shape, src_blocks + dst_blocks):
         v = volume(cell)
-        holders = {r for r in range(ranks) if _contains(src_blocks[r], cell)}
-        wanting = [r for r in needers if _contains(dst_blocks[r], cell)]
+        holders = {r for r in range(ranks) if contains(src_blocks[r], cell)}
+        wanting = [r for r in needers if contains(dst_blocks[r], cell)]
         if not wanting:
             continue
         if n == 1:
@@ -240,11 +276,11 @@ def _count(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> _Counts
     return out
 
 
-def _contains(block: Box, cell: Box) -> bool:
+def contains(block: Box, cell: Box) -> bool:
     return all(o <= c and c + m <= o + n for o, n, c, m in zip(block[0], block[1], cell[0], cell[1]))
 
 
-def _cells(shape: tuple, boxes: list[Box]) -> list[Box]:
+def cells(shape: tuple, boxes: list[Box]) -> list[Box]:
     """The tensor cut at every edge of every box: each cell lies wholly inside or outside each box."""
     cuts = []
     for d, size in enumerate(shape):

@@ -18,9 +18,10 @@ from shardwise import blocks, comm
 from shardwise import mesh as mesh_module
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, Replicate, Shard
-from shardwise.redistribute.bound import coordinates, intersect, needs_value
+from shardwise.redistribute.bound import coordinates, intersect, needs_value, volume
 from shardwise.redistribute.cross_mesh import plan_cross_mesh
 from shardwise.redistribute.exchange import plan_exchange
+from shardwise.redistribute.reduce_forward import plan_reduce_forward
 from shardwise.redistribute.plan import Plan, Step, StepKind, plan_redistribute
 from shardwise.spec import DTensorSpec, local_shape_and_offset
 
@@ -149,6 +150,8 @@ def _lengths(spec: DTensorSpec, layout: tuple[Placement, ...], axis: int, dim: i
 def _run_step(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple) -> torch.Tensor:
     mesh, axis, cur, new = spec.mesh, step.axis, step.src, step.dst
     kind = step.collective
+    if step.rounds:  # reduce at consumers, then forward
+        return _run_reduce_forward(local, step, spec, layout)
     if step.target:  # an exchange (or a relayout: one that moves nothing)
         return _run_exchange(local, step, spec, layout)
     if kind is StepKind.RELABEL:
@@ -181,23 +184,9 @@ def _run_exchange(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tu
     mesh = spec.mesh
     shape, mesh_shape = tuple(spec.shape), tuple(mesh.shape)
     ex = plan_exchange(shape, mesh_shape, layout, step.target)
-    coords = coordinates(mesh_shape)
-    me = coords.index(tuple(mesh.get_coordinate()))
-    axes = step.axes
-    if len(axes) > 1:
-        group_mesh, group_axis = _flat_mesh(mesh, axes), 0
-    else:
-        group_mesh, group_axis = mesh, axes[0]
-    size = math.prod(mesh_shape[a] for a in axes)
-
-    def peer(r: int) -> int:  # index in the (flattened) group, row-major over ``axes``
-        index = 0
-        for a in axes:
-            index = index * mesh_shape[a] + coords[r][a]
-        return index
-
-    mine = [a for a in range(len(mesh_shape)) if a not in axes]
-    in_group = [t for t in ex.transfers if all(coords[t.sender][a] == coords[me][a] for a in mine)]
+    group = _Group(mesh, step.axes)
+    me, coords, size, peer = group.me, group.coords, group.size, group.peer
+    in_group = group.mine(ex.transfers)
     src_offset = local_shape_and_offset(shape, mesh_shape, coords[me], layout)[1]
     dst_shape, dst_offset = local_shape_and_offset(shape, mesh_shape, coords[me], step.target)
     out = local.new_empty(dst_shape)
@@ -220,9 +209,134 @@ def _run_exchange(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tu
     if sum(t.stop - t.start for t in in_group) == 0:
         return out
     send = torch.cat([p for ps in pieces for p in ps]) if any(send_counts) else local.new_empty(0)
-    recv = comm.all_to_all_counts(send, send_counts, recv_counts, group_mesh, group_axis)
+    recv = comm.all_to_all_counts(send, send_counts, recv_counts, group.mesh, group.axis)
     _place(out, dst_offset, recv, [t for t in in_group if t.receiver == me], peer, recv_counts, reducing)
     return out
+
+
+class _Group:
+    """The (flattened) group of a step's ``axes`` seen from this rank: its 1-D mesh and axis,
+    this rank's row-major mesh index ``me``, and each rank's index in the group (``peer``)."""
+
+    def __init__(self, mesh: DeviceMesh, axes: tuple[int, ...]) -> None:
+        self.mesh_shape = tuple(mesh.shape)
+        self.coords = coordinates(self.mesh_shape)
+        self.me = self.coords.index(tuple(mesh.get_coordinate()))
+        self.axes = axes
+        if len(axes) > 1:
+            self.mesh, self.axis = _flat_mesh(mesh, axes), 0
+        else:
+            self.mesh, self.axis = mesh, axes[0]
+        self.size = math.prod(self.mesh_shape[a] for a in axes)
+        self.others = [a for a in range(len(self.mesh_shape)) if a not in axes]
+
+    def peer(self, r: int) -> int:
+        """Index of rank ``r`` in its (flattened) group, row-major over ``axes``."""
+        index = 0
+        for a in self.axes:
+            index = index * self.mesh_shape[a] + self.coords[r][a]
+        return index
+
+    def mine(self, transfers) -> list:
+        """The transfers within this rank's copy of the group (same coordinate off ``axes``)."""
+        here = self.coords[self.me]
+        return [t for t in transfers if all(self.coords[t.sender][a] == here[a] for a in self.others)]
+
+    def exchange(self, local: torch.Tensor, transfers: list, pack) -> tuple[torch.Tensor, list[int]] | None:
+        """One all_to_all of ``transfers`` (this rank's copy): ``pack(t)`` gives the run a
+        transfer this rank sends. Returns what arrived and the per-peer counts, or None when no
+        rank of the group sends anything (every rank of it skips together)."""
+        if sum(t.stop - t.start for t in transfers) == 0:
+            return None
+        send_counts, recv_counts = [0] * self.size, [0] * self.size
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(self.size)]
+        for t in transfers:
+            if t.sender == self.me:
+                pieces[self.peer(t.receiver)].append(pack(t))
+                send_counts[self.peer(t.receiver)] += t.stop - t.start
+            if t.receiver == self.me:
+                recv_counts[self.peer(t.sender)] += t.stop - t.start
+        send = torch.cat([p for ps in pieces for p in ps]) if any(send_counts) else local.new_empty(0)
+        return comm.all_to_all_counts(send, send_counts, recv_counts, self.mesh, self.axis), recv_counts
+
+    def arrived(self, transfers: list, recv: torch.Tensor, recv_counts: list[int]) -> list:
+        """(transfer, its run) for every transfer to this rank, cut from ``recv`` (peers in group
+        order, each peer's transfers in schedule order)."""
+        starts = [sum(recv_counts[:p]) for p in range(self.size)]
+        runs = []
+        for t in transfers:
+            if t.receiver == self.me:
+                p = self.peer(t.sender)
+                runs.append((t, recv[starts[p]:starts[p] + t.stop - t.start]))
+                starts[p] += t.stop - t.start
+        return runs
+
+
+def _run_reduce_forward(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple) -> torch.Tensor:
+    """Round 1: contributions go to each run's first owner, which reduces them with its own;
+    round 2: first owners send the values to the other ranks that need them (``reduce_forward``)."""
+    shape, mesh_shape = tuple(spec.shape), tuple(spec.mesh.shape)
+    rf = plan_reduce_forward(shape, mesh_shape, layout, step.target)
+    group = _Group(spec.mesh, step.axes)
+    me = group.me
+    src_offset = local_shape_and_offset(shape, mesh_shape, group.coords[me], layout)[1]
+    dst_shape, dst_offset = local_shape_and_offset(shape, mesh_shape, group.coords[me], step.target)
+    out = local.new_empty(dst_shape)
+    wants_value = needs_value(step.target, group.coords[me])
+    if not wants_value:
+        out = _identity(out, step.target)
+
+    flat_cells: dict = {}  # box -> this rank's contribution to it, flat (one copy per cell)
+
+    def cell(box) -> torch.Tensor:
+        if box not in flat_cells:
+            flat_cells[box] = _region(local, src_offset, box).reshape(-1)
+        return flat_cells[box]
+
+    def held(t) -> torch.Tensor:  # this rank's contribution to the run of ``t``
+        return cell(t.box)[t.start:t.stop]
+
+    first = group.mine(rf.first)
+    got = group.exchange(local, first, held)
+    gathered: dict = {}  # (box, start) -> [stop, contributions]
+    for t in first:
+        if t.receiver == me:
+            gathered.setdefault((t.box, t.start), [t.stop, []])
+    if got is not None:
+        for t, run in group.arrived(first, *got):
+            gathered[(t.box, t.start)][1].append(run)
+    values: dict = {}  # (box, start) -> reduced run, at its first owner
+    for (box, start), (stop, runs) in gathered.items():
+        own = [] if len(runs) == rf.n else [cell(box)[start:stop]]
+        values[(box, start)] = _reduce(torch.stack(own + runs), rf.op, rf.n)
+    second = group.mine(rf.second)
+    got = group.exchange(local, second, lambda t: values[(t.box, t.start)])
+    if got is not None:
+        for t, run in group.arrived(second, *got):
+            values[(t.box, t.start)] = run
+    if wants_value:
+        flats: dict = {}
+        for (box, start), run in values.items():
+            if volume(intersect(box, (dst_offset, dst_shape))) != volume(box):
+                continue  # a first owner outside the box's needers: it only forwarded the value
+            flat = flats.setdefault(box, out.new_empty(volume(box)))
+            flat[start:start + run.numel()] = run
+        for box, flat in flats.items():
+            _region(out, dst_offset, box).copy_(flat.view(box[1]))
+    return out
+
+
+def _reduce(stacked: torch.Tensor, op: str, n: int) -> torch.Tensor:
+    """The ``op`` reduction of the ``n`` stacked contributions of a run."""
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        return stacked.sum(0) / n if stacked.is_floating_point() else stacked.sum(0) // n
+    if op == "max":
+        return stacked.amax(0)
+    if op == "min":
+        return stacked.amin(0)
+    return stacked.prod(0)
 
 
 def _place(out, dst_offset, recv, incoming, peer, recv_counts, add: bool) -> None:

@@ -23,9 +23,15 @@ sends every rank exactly what it lacks. It starts from the source, from a layout
 reaches by reducing the source's Partial axes, or (a Partial(sum) source) it reduces on the way
 (a reducing exchange), possibly into a fully sharded refinement of the target first. The plan
 sent is the one with the fewest bytes over all ranks, then the fewest for the busiest rank
-(``Plan.sends`` counts every rank), then the axis-by-axis one. ``bound.py`` defines the lower
-bounds these plans are held to: without a Partial source the chosen plan meets the total and
-the one-round busiest-rank bound whenever the group exists; with one it may not (bound.py).
+(``Plan.sends`` counts every rank), then the axis-by-axis one.
+
+A Partial source may also be resolved in one *reduce-forward* step (``reduce_forward.py``):
+each element's contributions reach a rank that needs it, which reduces and forwards the value
+(two all_to_alls). It sends the least total a full reduction can; it is taken when it sends
+fewer bytes over all ranks than the best plan above, or as many, and never when its busiest
+rank would send more. ``bound.py`` defines the lower bounds these plans are held to: without a
+Partial source the chosen plan meets the total and the one-round busiest-rank bound whenever
+the group exists; with one it may not (bound.py says where and why).
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ from functools import lru_cache
 from typing import Sequence
 
 from shardwise.placement import Partial, Placement, Replicate, Shard
-from shardwise.redistribute.bound import coordinates
+from shardwise.redistribute.bound import coordinates, reducing_total
 from shardwise.redistribute.exchange import plan_exchange, reducible
+from shardwise.redistribute.reduce_forward import forwardable, plan_reduce_forward
 from shardwise.spec import local_shape_and_offset
 
 __all__ = ["StepKind", "Step", "Plan", "plan_redistribute"]
@@ -73,7 +80,9 @@ class Step:
     ``bytes_per_rank`` is what the busiest rank of the axis sends. ``flattened`` (two or more
     axes, ``axis`` the first) marks a reduction over all of them at once, by their flattened
     group; otherwise it is empty. An exchange (``target`` set: the whole layout after it)
-    re-lays several axes at once by one all_to_all over ``axes``' (flattened) group.
+    re-lays several axes at once by one all_to_all over ``axes``' (flattened) group. A
+    reduce-forward step (``reduce_forward.py``) is an exchange of two all_to_alls, ``rounds``
+    the busiest rank's bytes in each (a round where no rank sends is skipped); otherwise empty.
     """
 
     axis: int
@@ -83,6 +92,7 @@ class Step:
     bytes_per_rank: int
     flattened: tuple[int, ...] = ()
     target: Layout = ()
+    rounds: tuple[int, ...] = ()
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -100,6 +110,8 @@ class Step:
 
     def __str__(self) -> str:
         where = f"axes {'+'.join(map(str, self.flattened))}" if self.flattened else f"axis {self.axis}"
+        if self.rounds:
+            return f"{where}: reduce at consumers, then forward, to ({','.join(map(str, self.target))}) by 2 all_to_all ({'+'.join(map(str, self.rounds))} B)"
         if self.target:
             return f"{where}: exchange to ({','.join(map(str, self.target))}) by {self.collective} ({self.bytes_per_rank} B)"
         return f"{where}: {self.src} -> {self.dst} by {self.collective} ({self.bytes_per_rank} B)"
@@ -130,7 +142,25 @@ class Plan:
     @property
     def collectives(self) -> list[str]:
         """Names of the collectives that move data, in order (free local steps left out)."""
-        return [s.collective for s in self.steps if s.collective not in _FREE]
+        names = []
+        for s in self.steps:
+            if s.rounds:
+                names += [s.collective] * sum(1 for b in s.rounds if b)
+            elif s.collective not in _FREE:
+                names.append(s.collective)
+        return names
+
+    @property
+    def issued(self) -> list[tuple[StepKind, int]]:
+        """Every collective the plan issues with its busiest rank's bytes, in order (a
+        reduce-forward step's rounds one by one)."""
+        out = []
+        for s in self.steps:
+            if s.rounds:
+                out += [(s.collective, b) for b in s.rounds if b]
+            elif s.collective not in _FREE:
+                out.append((s.collective, s.bytes_per_rank))
+        return out
 
     def __str__(self) -> str:
         return "; ".join(map(str, self.steps)) or "no-op"
@@ -181,6 +211,11 @@ def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layo
         candidate = ctx.score(src, steps)
         if candidate < score:
             best, score = steps, candidate
+    forward = ctx.reduce_forward(src, dst, score[0])
+    if forward is not None:  # taken when fewer bytes in all and no more for the busiest rank
+        candidate = ctx.score(src, (forward,))
+        if candidate < score and candidate[1] <= score[1]:
+            best, score = (forward,), candidate
     return ctx.priced(src, best)
 
 
@@ -275,16 +310,42 @@ class _Context:
         if not ex.axes:  # every rank builds its target block from what it holds
             changed = next(a for a, (p, q) in enumerate(zip(layout, dst)) if p != q)
             return Step(changed, layout[changed], dst[changed], StepKind.RELAYOUT, 0, (), dst)
-        if len(ex.axes) == 1:
-            group: tuple[int, ...] = ex.axes
-        else:
-            wide = [g for g in self.flattened if set(ex.axes) <= set(g)]
-            if not wide:
-                return None
-            group = min(wide, key=lambda g: (math.prod(self.mesh_shape[a] for a in g), g))
+        group = self.group(ex.axes)
+        if group is None:
+            return None
         busiest = max(ex.sends) * self.itemsize
         return Step(group[0], layout[group[0]], dst[group[0]], StepKind.ALL_TO_ALL, busiest,
                     group if len(group) > 1 else (), dst)
+
+    def reduce_forward(self, src: Layout, dst: Layout, beat: int) -> Step | None:
+        """The two-all_to_all step that reduces every element of a Partial source at a rank
+        that needs it, then forwards it (``reduce_forward.py``), or None when it does not apply
+        or sends more bytes in all than ``beat`` (it sends ``bound``'s reducing total)."""
+        if not forwardable(self.mesh_shape, src, dst) or math.prod(self.mesh_shape) > EXCHANGE_MAX_RANKS:
+            return None
+        # Axes it must cross: every Partial one, and every one leaving a Shard (each block is
+        # held only at its coordinate and needed at others); no group over them, no step.
+        crossed = tuple(a for a, (p, q, m) in enumerate(zip(src, dst, self.mesh_shape))
+                        if m > 1 and (p.is_partial() or p.is_shard() and p != q))
+        if self.group(crossed) is None or reducing_total(self.shape, self.mesh_shape, src, dst) * self.itemsize > beat:
+            return None
+        rf = plan_reduce_forward(self.shape, self.mesh_shape, src, dst)
+        group = self.group(rf.axes) if rf.axes else None
+        if group is None:
+            return None
+        rounds = tuple(max(r, default=0) * self.itemsize for r in rf.round_sends)
+        return Step(group[0], src[group[0]], dst[group[0]], StepKind.ALL_TO_ALL, sum(rounds),
+                    group if len(group) > 1 else (), dst, rounds)
+
+    def group(self, axes: Sequence[int]) -> tuple[int, ...] | None:
+        """The smallest group over ``axes``: one axis, or an existing flattened group holding
+        them all (None when there is none)."""
+        if len(axes) == 1:
+            return tuple(axes)
+        wide = [g for g in self.flattened if set(axes) <= set(g)]
+        if not wide:
+            return None
+        return min(wide, key=lambda g: (math.prod(self.mesh_shape[a] for a in g), g))
 
     def priced(self, src: Layout, steps: tuple[Step, ...]) -> Plan:
         """``steps`` as a Plan with what every rank sends."""
@@ -315,6 +376,8 @@ class _Context:
         coords = coordinates(self.mesh_shape)
         if step.collective in _FREE:
             return [0] * len(coords)
+        if step.rounds:
+            return [e * self.itemsize for e in plan_reduce_forward(self.shape, self.mesh_shape, layout, step.target).sends]
         if step.target:
             return [e * self.itemsize for e in plan_exchange(self.shape, self.mesh_shape, layout, step.target).sends]
         n = math.prod(self.mesh_shape[a] for a in step.axes)
