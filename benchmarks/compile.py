@@ -10,7 +10,9 @@ DTensor/FSDP2 with every block compiled (``block.compile(backend=...)`` after pa
 the torchtitan pattern). Reported per mode:
 
 * median step time (forward, loss, backward, AdamW) of each, slowest rank, repetitions
-  interleaved; ratios compiled/eager and shardwise/torch (compiled);
+  interleaved; ratios compiled/eager and shardwise/torch (compiled), the latter also in CPU
+  time (each rank's process_time over the step, the largest: what the step computes, without
+  waits, so less swayed by other load on the machine);
 * compile time: the first step's time minus the median step;
 * collectives per step, counted from the profiler's record of the backend's calls (eager and
   compiled alike; torch's CommDebugMode would make Dynamo run the compiled blocks eagerly);
@@ -26,6 +28,8 @@ its DTensor inputs, unwrapping them, wrapping its output). ``--modes ""`` runs t
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -85,6 +89,22 @@ CHAINS = {"plain short": _plain_short, "dtensor short": _dtensor_short,
           "plain long": _plain_long, "dtensor long": _dtensor_long}
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """The profiler's native library prints a line per start and stop on the process's stderr
+    (file descriptor 2): send them nowhere. Python exceptions still propagate."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 class Bench:
     def __init__(self, args) -> None:
         import torch
@@ -118,7 +138,7 @@ class Bench:
         """
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
             job.step(i)
         return sum(1 for e in prof.events() if e.name.startswith(("gloo:", "nccl:")) and "barrier" not in e.name)
 
@@ -142,21 +162,25 @@ class Bench:
         for name, job in jobs.items():
             job.record_loss(job.step(2))
         order = list(jobs.items())
+        cpu: dict[str, list[float]] = {name: [] for name in jobs}
         for i in range(self.args.reps):
             for name, job in (order if i % 2 == 0 else order[::-1]):
                 self.dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 loss = job.step(3 + i)
-                job.times.append(self.slowest(time.perf_counter() - t0))
+                c1, t1 = time.process_time(), time.perf_counter()
+                job.times.append(self.slowest(t1 - t0))
+                cpu[name].append(self.slowest(c1 - c0))
                 job.record_loss(loss)
         median = {name: statistics.median(job.times) for name, job in jobs.items()}
+        cpu_median = {name: statistics.median(values) for name, values in cpu.items()}
         base = jobs["sw eager"].losses
         diff = max(max(abs(a - b) / abs(b) for a, b in zip(job.losses, base)) for job in jobs.values())
         if self.rank == 0 and self.args.show_losses:
             for name, job in jobs.items():
                 print(f"    {mode} {name}: {[round(x, 5) for x in job.losses]}")
-        return {"median": median, "compile": {n: first[n] - median[n] for n in jobs}, "counts": counts, "diff": diff,
-                "failed": failed}
+        return {"median": median, "cpu": cpu_median, "compile": {n: first[n] - median[n] for n in jobs},
+                "counts": counts, "diff": diff, "failed": failed}
 
     def overhead(self) -> dict[str, float]:
         """Compiled elementwise/matmul chains, DTensor blocks vs plain tensors (median CPU seconds per call).
@@ -225,31 +249,33 @@ class Bench:
             self.report(rows, overhead)
         return 0
 
-    def report(self, rows: list, t: dict[str, float]) -> None:
+    def report(self, rows: list, chains: dict[str, float]) -> None:
         names = ("sw eager", "sw compiled", "torch compiled")
         head = (f"{'mode':<8} " + " ".join(f"{n + ' s':>17}" for n in names)
-                + f" {'sw compiled/eager':>17} {'sw/torch compiled':>17}   collectives/step (sw eager, sw compiled, "
+                + f" {'sw compiled/eager':>17} {'sw/torch compiled':>17} {'(CPU time)':>10}   collectives/step (sw eager, sw compiled, "
                   "torch compiled)   compile s (sw, torch)   loss rel diff")
         print("\n" + head + "\n" + "-" * len(head))
         nan = float("nan")
         for mode, r in rows:
-            m, c, k = r["median"], r["counts"], r["compile"]
+            m, c, k, cpu = r["median"], r["counts"], r["compile"], r["cpu"]
             t = {n: m.get(n, nan) for n in names}
             print(f"{mode:<8} " + " ".join(f"{t[n]:>17.4f}" for n in names)
                   + f" {t['sw compiled'] / t['sw eager']:>17.2f} {t['sw compiled'] / t['torch compiled']:>17.2f}"
+                  + f" {cpu.get('sw compiled', nan) / cpu.get('torch compiled', nan):>10.2f}"
                   + "   " + " ".join(f"{c.get(n, '-'):>4}" for n in names)
                   + f"{'':>28}{k.get('sw compiled', nan):>6.1f} {k.get('torch compiled', nan):>6.1f}   {r['diff']:.1e}")
             for name, error in r["failed"].items():
                 print(f"         !! {name} failed: {error}")
-        per_op = (t["dtensor long"] - t["dtensor short"]) / (t["plain long"] - t["plain short"])
+        per_op = (chains["dtensor long"] - chains["dtensor short"]) / (chains["plain long"] - chains["plain short"])
+
         def fixed(kind: str) -> float:  # the intercept: time per call of a chain of no ops
-            short, long = t[f"{kind} short"], t[f"{kind} long"]
+            short, long = chains[f"{kind} short"], chains[f"{kind} long"]
             return short - SHORT * (long - short) / (LONG - SHORT)
 
         boundary = fixed("dtensor") - fixed("plain")
         print(f"\ncompiled chains, CPU time per call (median of {OVERHEAD_ROUNDS} x {OVERHEAD_CALLS} calls):")
         for groups, length in ((SHORT, "short"), (LONG, "long")):
-            p, d = t[f"plain {length}"], t[f"dtensor {length}"]
+            p, d = chains[f"plain {length}"], chains[f"dtensor {length}"]
             print(f"  {4 * groups:>3}-op chain: plain {p * 1e6:.1f} us, DTensor {d * 1e6:.1f} us, ratio {d / p:.3f}")
         print(f"  per op (slope between the two lengths): DTensor/plain {per_op:.3f} (goal <= 1.05); "
               f"per call at the DTensor boundary: {boundary * 1e6:.1f} us")
