@@ -10,21 +10,26 @@ DTensor/FSDP2 with every block compiled (``block.compile(backend=...)`` after pa
 the torchtitan pattern). Reported per mode:
 
 * median step time (forward, loss, backward, AdamW) of each, slowest rank, repetitions
-  interleaved; ratios compiled/eager and shardwise/torch (compiled);
+  interleaved; ratios compiled/eager and shardwise/torch (compiled), the latter also in CPU
+  time (each rank's process_time over the step, the largest: what the step computes, without
+  waits, so less swayed by other load on the machine);
 * compile time: the first step's time minus the median step;
-* collectives per step, counted by torch's CommDebugMode (a dispatch mode that sees c10d and
-  functional collectives alike, eager or issued from compiled code);
+* collectives per step, counted from the profiler's record of the backend's calls (eager and
+  compiled alike; torch's CommDebugMode would make Dynamo run the compiled blocks eagerly);
 * agreement of the losses of the three (same weights, same data).
 
-A last row measures compiled per-op overhead: the same 24-op elementwise/matmul chain compiled
-once on replicated DTensors and once on plain tensors (no communication; timed on rank 0 while
-the others wait): the DTensor program's compiled call over the plain one's. ``--modes ""``
-runs this row only.
+The last rows measure compiled per-op overhead: the same elementwise/matmul chain (32 and 128
+ops) compiled on replicated DTensors and on plain tensors (no communication; rank 0's CPU time
+while the others wait). Printed: each length's DTensor/plain ratio per call, the per-op ratio
+(the slope between the two lengths) and the DTensor program's fixed cost per call (guards on
+its DTensor inputs, unwrapping them, wrapping its output). ``--modes ""`` runs these rows only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -51,6 +56,55 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+OVERHEAD_ROUNDS, OVERHEAD_CALLS = 15, 100
+SHORT, LONG = 8, 32  # chain lengths, in (matmul, tanh, mul, add) groups: 32 and 128 ops
+
+
+def _chain(x, w, groups: int):
+    import torch
+
+    for _ in range(groups):
+        x = torch.tanh(x @ w) * 0.5 + x
+    return x
+
+
+# One function per variant: each compiled program has its own code object and Dynamo cache.
+def _plain_short(x, w):
+    return _chain(x, w, SHORT)
+
+
+def _dtensor_short(x, w):
+    return _chain(x, w, SHORT)
+
+
+def _plain_long(x, w):
+    return _chain(x, w, LONG)
+
+
+def _dtensor_long(x, w):
+    return _chain(x, w, LONG)
+
+
+CHAINS = {"plain short": _plain_short, "dtensor short": _dtensor_short,
+          "plain long": _plain_long, "dtensor long": _dtensor_long}
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """The profiler's native library prints a line per start and stop on the process's stderr
+    (file descriptor 2): send them nowhere. Python exceptions still propagate."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 class Bench:
     def __init__(self, args) -> None:
         import torch
@@ -75,11 +129,18 @@ class Bench:
         return out
 
     def collectives(self, job, i: int) -> int:
-        from torch.distributed.tensor.debug import CommDebugMode
+        """Collectives one step issues, counted from the profiler's record of the backend's calls
+        (``gloo:all_reduce`` ...): one per collective, eager or issued from compiled code.
 
-        with CommDebugMode() as comm:
+        Not torch's CommDebugMode: a dispatch mode makes Dynamo skip compiled frames ("non-infra
+        torch dispatch mode present"), so under it a compiled model runs eagerly and the count
+        would be the eager step's.
+        """
+        from torch.profiler import ProfilerActivity, profile
+
+        with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
             job.step(i)
-        return comm.get_total_counts()
+        return sum(1 for e in prof.events() if e.name.startswith(("gloo:", "nccl:")) and "barrier" not in e.name)
 
     def measure(self, mode: str, meshes: dict, data) -> dict:
         jobs = self.jobs(mode, meshes, data)
@@ -101,57 +162,64 @@ class Bench:
         for name, job in jobs.items():
             job.record_loss(job.step(2))
         order = list(jobs.items())
+        cpu: dict[str, list[float]] = {name: [] for name in jobs}
         for i in range(self.args.reps):
             for name, job in (order if i % 2 == 0 else order[::-1]):
                 self.dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 loss = job.step(3 + i)
-                job.times.append(self.slowest(time.perf_counter() - t0))
+                c1, t1 = time.process_time(), time.perf_counter()
+                job.times.append(self.slowest(t1 - t0))
+                cpu[name].append(self.slowest(c1 - c0))
                 job.record_loss(loss)
         median = {name: statistics.median(job.times) for name, job in jobs.items()}
+        cpu_median = {name: statistics.median(values) for name, values in cpu.items()}
         base = jobs["sw eager"].losses
         diff = max(max(abs(a - b) / abs(b) for a, b in zip(job.losses, base)) for job in jobs.values())
         if self.rank == 0 and self.args.show_losses:
             for name, job in jobs.items():
                 print(f"    {mode} {name}: {[round(x, 5) for x in job.losses]}")
-        return {"median": median, "compile": {n: first[n] - median[n] for n in jobs}, "counts": counts, "diff": diff,
-                "failed": failed}
+        return {"median": median, "cpu": cpu_median, "compile": {n: first[n] - median[n] for n in jobs},
+                "counts": counts, "diff": diff, "failed": failed}
 
-    def overhead(self) -> tuple[float, float]:
-        """Compiled 24-op chain: DTensor blocks vs plain tensors (medians, seconds)."""
+    def overhead(self) -> dict[str, float]:
+        """Compiled elementwise/matmul chains, DTensor blocks vs plain tensors (median CPU seconds per call).
+
+        Each variant is its own function (its own code object, so its own Dynamo cache: no call
+        checks another variant's guards first), compiled alone; rank 0 times them (the others
+        wait: four ranks on few cores would time contention) with the process's CPU-time clock
+        (time.process_time: a rank descheduled by load does not count), ``OVERHEAD_ROUNDS``
+        interleaved rounds, median. Two chain lengths separate what a DTensor program pays per
+        op (the slope: the compiled graphs are the same kernels) from what it pays once per call
+        at the subclass boundary (guards on the DTensor inputs, unwrapping them, wrapping the
+        output).
+        """
         import shardwise as sw
         from shardwise import Replicate
 
         torch = self.torch
         world = sw.init_device_mesh("cpu", (NPROC,))
-
-        def chain(x, w):
-            for _ in range(8):
-                x = torch.tanh(x @ w) * 0.5 + x
-            return x
-
         torch.manual_seed(0)
         x, w = torch.randn(64, 64), torch.randn(64, 64) / 8
         dx, dw = (sw.distribute_tensor(t, world, [Replicate()]) for t in (x, w))
-        torch._dynamo.reset()
-        plain = torch.compile(chain, backend=self.args.backend, dynamic=False)
-        dist_fn = torch.compile(chain, backend=self.args.backend, dynamic=False)
-        variants = (("plain", plain, (x, w)), ("dtensor", dist_fn, (dx, dw)))
+        compiled = {name: torch.compile(fn, backend=self.args.backend, dynamic=False) for name, fn in CHAINS.items()}
+        inputs = {"plain": (x, w), "dtensor": (dx, dw)}
+        variants = [(name, fn, inputs[name.split()[0]]) for name, fn in compiled.items()]
         for _, fn, args in variants:
             for _ in range(3):
                 fn(*args)
-        samples: dict[str, list[float]] = {"plain": [], "dtensor": []}
-        if self.rank == 0:  # alone (the others wait): four ranks on few cores would time contention
-            for _ in range(9):  # interleaved, so load changes hit both alike
-                for name, fn, args in variants:
-                    t0 = time.perf_counter()
-                    for _ in range(100):
+        samples: dict[str, list[float]] = {name: [] for name in compiled}
+        if self.rank == 0:
+            for i in range(OVERHEAD_ROUNDS):  # interleaved, alternating order, so load changes hit all alike
+                for name, fn, args in (variants if i % 2 == 0 else variants[::-1]):
+                    t0 = time.process_time()
+                    for _ in range(OVERHEAD_CALLS):
                         fn(*args)
-                    samples[name].append((time.perf_counter() - t0) / 100)
+                    samples[name].append((time.process_time() - t0) / OVERHEAD_CALLS)
         self.dist.barrier()
         if self.rank != 0:
-            return float("nan"), float("nan")
-        return statistics.median(samples["plain"]), statistics.median(samples["dtensor"])
+            return {}
+        return {name: statistics.median(values) for name, values in samples.items()}
 
     def run(self) -> int:
         from train_step import torch_mesh
@@ -176,29 +244,41 @@ class Bench:
             data = BatchSource(load_corpus(), a.global_batch, a.seq_len, 0, dims.dp_degree, dp_rank)
             rows.append((mode, self.measure(mode, meshes, data)))
             self.say(f"  measured {mode}")
-        plain, dtensor = self.overhead()
+        overhead = self.overhead()
         if self.rank == 0:
-            self.report(rows, plain, dtensor)
+            self.report(rows, overhead)
         return 0
 
-    def report(self, rows: list, plain: float, dtensor: float) -> None:
+    def report(self, rows: list, chains: dict[str, float]) -> None:
         names = ("sw eager", "sw compiled", "torch compiled")
         head = (f"{'mode':<8} " + " ".join(f"{n + ' s':>17}" for n in names)
-                + f" {'sw compiled/eager':>17} {'sw/torch compiled':>17}   collectives/step (sw eager, sw compiled, "
+                + f" {'sw compiled/eager':>17} {'sw/torch compiled':>17} {'(CPU time)':>10}   collectives/step (sw eager, sw compiled, "
                   "torch compiled)   compile s (sw, torch)   loss rel diff")
         print("\n" + head + "\n" + "-" * len(head))
         nan = float("nan")
         for mode, r in rows:
-            m, c, k = r["median"], r["counts"], r["compile"]
+            m, c, k, cpu = r["median"], r["counts"], r["compile"], r["cpu"]
             t = {n: m.get(n, nan) for n in names}
             print(f"{mode:<8} " + " ".join(f"{t[n]:>17.4f}" for n in names)
                   + f" {t['sw compiled'] / t['sw eager']:>17.2f} {t['sw compiled'] / t['torch compiled']:>17.2f}"
+                  + f" {cpu.get('sw compiled', nan) / cpu.get('torch compiled', nan):>10.2f}"
                   + "   " + " ".join(f"{c.get(n, '-'):>4}" for n in names)
                   + f"{'':>28}{k.get('sw compiled', nan):>6.1f} {k.get('torch compiled', nan):>6.1f}   {r['diff']:.1e}")
             for name, error in r["failed"].items():
                 print(f"         !! {name} failed: {error}")
-        print(f"\ncompiled 24-op chain per call: plain {plain * 1e6:.1f} us, DTensor {dtensor * 1e6:.1f} us, "
-              f"ratio {dtensor / plain:.3f} (goal <= 1.05)")
+        per_op = (chains["dtensor long"] - chains["dtensor short"]) / (chains["plain long"] - chains["plain short"])
+
+        def fixed(kind: str) -> float:  # the intercept: time per call of a chain of no ops
+            short, long = chains[f"{kind} short"], chains[f"{kind} long"]
+            return short - SHORT * (long - short) / (LONG - SHORT)
+
+        boundary = fixed("dtensor") - fixed("plain")
+        print(f"\ncompiled chains, CPU time per call (median of {OVERHEAD_ROUNDS} x {OVERHEAD_CALLS} calls):")
+        for groups, length in ((SHORT, "short"), (LONG, "long")):
+            p, d = chains[f"plain {length}"], chains[f"dtensor {length}"]
+            print(f"  {4 * groups:>3}-op chain: plain {p * 1e6:.1f} us, DTensor {d * 1e6:.1f} us, ratio {d / p:.3f}")
+        print(f"  per op (slope between the two lengths): DTensor/plain {per_op:.3f} (goal <= 1.05); "
+              f"per call at the DTensor boundary: {boundary * 1e6:.1f} us")
 
 
 def worker() -> int:

@@ -245,6 +245,28 @@ def test_from_local_mistakes_raise_on_every_rank_instead_of_aborting_in_gloo(dis
                           match=r"\(shape= given\), rank 2 holds a \[2, 3\] block where f32\[5@tp,3\] needs \[1, 3\]")
 
 
+def _settle_on_a_2d_world_mesh(case: str):
+    """from_local on the 2-D mesh of all ranks: its agreement check is one all_reduce (the
+    default group), not one per axis; a disagreement still raises on every rank."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mesh, rank = _mesh22(), dist.get_rank()
+    rows = 3 if case == "uneven" and rank == 0 else 2
+    dt = DTensor.from_local(torch.full((rows, 4), float(rank // 2)), mesh, [Shard(0), Replicate()])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        full = dt.redistribute(mesh, [Replicate(), Replicate()]).to_local()
+    reduces = sum(e.name == "gloo:all_reduce" for e in prof.events())
+    return reduces, torch.equal(full, torch.arange(2.0).repeat_interleave(2)[:, None].expand(4, 4))
+
+
+def test_the_agreement_check_on_a_world_mesh_is_one_all_reduce(dist):
+    for reduces, values_ok in dist.run(4, _settle_on_a_2d_world_mesh, "even"):
+        assert reduces == 1 and values_ok  # was 2: one per mesh axis
+    dist.run_expect_error(4, _settle_on_a_2d_world_mesh, "uneven", exc_type=ValueError,
+                          match=r"from_local without run_check left the ranks of mesh\(dp=2, tp=2\) with inconsistent "
+                                r"blocks: .* f32\[6@dp,4\] on rank 0; f32\[4@dp,4\] on ranks 1, 2, 3")
+
+
 def _wrong_block_on_every_rank():
     mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([8, 4]), (4, 1), torch.float32))

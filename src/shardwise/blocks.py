@@ -12,8 +12,9 @@ aborting the process (SIGABRT, no Python error). Two checks keep that from happe
   disagreement is reported, by rank and value, in one error raised on every rank.
 * without it (``note`` / ``settle``): nothing is communicated at ``from_local``; the call is
   noted, and before the next redistribute on that mesh the notes are settled: one all_reduce of
-  three int64 per mesh axis tells every rank whether all ranks agree. Only if they do not are
-  the notes gathered, to name the ranks and blocks in the error that every rank raises.
+  three int64 (over the default group for a mesh spanning the world, else one per mesh axis)
+  tells every rank whether all ranks agree. Only if they do not are the notes gathered, to name
+  the ranks and blocks in the error that every rank raises.
 
 The all_reduce of ``settle`` is bookkeeping, not data movement: it is issued directly (not
 through ``comm``), so ``CommDebugMode`` counts stay those of the program's own collectives.
@@ -382,12 +383,23 @@ def settle(mesh: DeviceMesh) -> None:
     _fold(notes)
     value = int.from_bytes(notes.digest.digest()[:7], "little")
     flags = torch.tensor([value, -value, int(notes.misfit)], dtype=torch.int64)
-    for axis in range(mesh.ndim):  # max over each axis in turn: the max over the whole mesh
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+    for group in _settle_groups(mesh):  # the max over the whole mesh
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     if flags[0] == -flags[1] and not flags[2]:
         return
     grid = gather_grid((dist.get_rank(), notes.count, notes.calls), mesh)
     raise ValueError(_settle_message(mesh, grid))
+
+
+def _settle_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
+    """Groups whose max, taken in turn, is the max over the whole mesh: the default group alone
+    when the mesh spans the world (one all_reduce, whatever its number of axes), else each axis's.
+
+    Only groups that exist on every rank of the mesh: creating one here would be a collective
+    that a rank not settling (nothing noted) never joins."""
+    if mesh.ndim > 1 and mesh.size() == dist.get_world_size():
+        return [dist.group.WORLD]
+    return [mesh.get_group(axis) for axis in range(mesh.ndim)]
 
 
 def _settle_message(mesh: DeviceMesh, grid: dict) -> str:
