@@ -1,8 +1,10 @@
 """torch.compile of DTensor programs (shardwise/compile.py): compiled equals eager equals one
 device, collectives are graph nodes, no graph breaks inside a tensor-parallel block.
 
-Real processes and gloo. Compiling is slow on this machine's CPUs, so each distributed body
-checks several models and backends at once; inductor runs on the smallest model only.
+The matrix: a TP MLP, a TP+SP Llama block and an FSDP+TP two-block model, each compiled with
+the backends eager, aot_eager and inductor on 4 ranks, values and gradients against eager
+shardwise and against one device. Real processes and gloo. Compiling is slow on small CPUs,
+so each model is one distributed body that runs all backends (see ``_matrix_backends``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from shardwise import DTensor, Replicate, Shard
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from shardwise.parallel.parallel_dims import ParallelDims
 from shardwise.train.config import get_model_args
-from shardwise.train.parallelize import ParallelOptions, build_llama, compile_backend
+from shardwise.train.parallelize import ParallelOptions, build_llama
 
 _COLLECTIVES = {
     "all_gather_into_tensor": "all_gather",
@@ -38,6 +40,32 @@ def _grad_gap(model: nn.Module, ref: nn.Module) -> float:
                for p, q in zip(model.parameters(), ref.parameters()))
 
 
+BACKENDS = ("eager", "aot_eager", "inductor")
+
+
+def _matrix_backends():
+    """For each backend of the matrix: its name, the backend wrapped to count the graphs Dynamo
+    hands it, and that count (zero graphs would mean the code ran eagerly, not compiled).
+
+    Dynamo's caches are reset before each backend, so no backend reuses another's graphs or
+    runs into the recompile limit (past it Dynamo silently runs eagerly). Inductor compiles
+    in this process (compile_threads=1): the ranks already share the CPUs, and its
+    compile-worker pool would start one more process per rank.
+    """
+    import torch._inductor.config as inductor_config
+
+    for name in BACKENDS:
+        torch._dynamo.reset()
+        inner, graphs = torch._dynamo.lookup_backend(name), []
+
+        def counted(gm, example_inputs, inner=inner, graphs=graphs):
+            graphs.append(gm)
+            return inner(gm, example_inputs)
+
+        with inductor_config.patch(compile_threads=1):
+            yield name, counted, graphs.__len__
+
+
 # ---------------------------------------------------------------------- a TP MLP
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
@@ -48,27 +76,34 @@ def _tp_mlp(mesh) -> nn.Module:
     return parallelize_module(_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
-def _mlp_gaps(backends: tuple[str, ...]) -> dict:
-    """Per backend: output and gradient gaps of the compiled TP MLP to one device."""
+def _mlp_gaps() -> dict:
+    """Per backend: output and gradient gaps of the compiled TP MLP to eager shardwise and to
+    one device, and the graphs the backend compiled."""
     mesh = sw.init_device_mesh("cpu", (dist.get_world_size(),))
     ref = _mlp()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     want = ref(x)
     want.square().sum().backward()
+    eager = _tp_mlp(mesh)
+    eager_out = eager(x)
+    eager_out.square().sum().backward()
     out = {}
-    for backend in backends:
-        torch._dynamo.reset()
+    for backend, counted, graphs in _matrix_backends():
         model = _tp_mlp(mesh)
-        got = torch.compile(model, backend=backend, fullgraph=True)(x)
+        got = torch.compile(model, backend=counted, fullgraph=True)(x)
         got.square().sum().backward()
-        out[backend] = ((got - want).abs().max().item(), _grad_gap(model, ref))
+        out[backend] = ((got - eager_out).abs().max().item(), _grad_gap(model, eager),
+                        (got - want).abs().max().item(), _grad_gap(model, ref), graphs())
     return out
 
 
 def test_tp_mlp_compiles_with_every_backend(dist):
-    for gaps in dist.run(2, _mlp_gaps, ("eager", "aot_eager", "inductor"), timeout=600):
-        for backend, (value, grad) in gaps.items():
+    for gaps in dist.run(4, _mlp_gaps, timeout=600):
+        assert set(gaps) == set(BACKENDS), gaps
+        for backend, (value, grad, value_one, grad_one, graphs) in gaps.items():
+            assert graphs == 1, (backend, graphs)  # fullgraph: one forward graph, compiled once
             assert value < 1e-5 and grad < 1e-5, (backend, value, grad)
+            assert value_one < 1e-5 and grad_one < 1e-5, (backend, value_one, grad_one)
 
 
 # ---------------------------------------------------------------------- the trainer's model
@@ -89,43 +124,81 @@ def _compile_blocks(model: nn.Module, backend) -> None:
         block.compile(backend=backend, fullgraph=False)
 
 
-def _layouts() -> dict:
-    world = dist.get_world_size()
-    return {"fsdp_tp": (ParallelDims(dp_shard=2, tp=world // 2, world_size=world), False)}
-
-
 def _trainer_model_gaps() -> dict:
-    """Per layout: losses (one device, eager, compiled), the compiled-vs-eager gradient gap, and
-    the parameter all_gathers of an eager step (with the number of blocks)."""
+    """The FSDP+TP two-block model (dp_shard=2 x tp=2), each block compiled as the trainer
+    compiles it, per backend: the loss, the gradient gaps to eager shardwise and to one device,
+    and the graphs compiled; plus the one-device and eager losses and the parameter
+    all_gathers of an eager step (with the number of blocks)."""
     from shardwise.debug import CommDebugMode
 
     args = get_model_args("tiny")
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
     one = _model(ParallelDims(world_size=1), None, False)
     single = _step(one, tokens).item()
-    out = {}
-    for name, (dims, sp) in _layouts().items():
-        torch._dynamo.reset()
-        mesh = dims.build_mesh("cpu")
-        eager, compiled = _model(dims, mesh, sp), _model(dims, mesh, sp)
-        _compile_blocks(compiled, compile_backend("aot_eager+comm"))  # with the communication pass
-        with CommDebugMode() as comm:
-            eager_loss = _step(eager, tokens).item()
-        gathers = sum(1 for r in comm.records if r.kind == "all_gather" and r.mesh.axis_name(r.axis) == "dp_shard")
-        out[name] = (single, eager_loss, _step(compiled, tokens).item(), _grad_gap(compiled, eager),
-                     _grad_gap(compiled, one), gathers, len(eager.layers))
+    world = dist.get_world_size()
+    dims = ParallelDims(dp_shard=2, tp=world // 2, world_size=world)
+    mesh = dims.build_mesh("cpu")
+    eager = _model(dims, mesh, False)
+    with CommDebugMode() as comm:
+        eager_loss = _step(eager, tokens).item()
+    gathers = sum(1 for r in comm.records if r.kind == "all_gather" and r.mesh.axis_name(r.axis) == "dp_shard")
+    out: dict = {"eager": (single, eager_loss, gathers, len(eager.layers)), "compiled": {}}
+    for backend, counted, graphs in _matrix_backends():
+        compiled = _model(dims, mesh, False)
+        _compile_blocks(compiled, counted)
+        out["compiled"][backend] = (_step(compiled, tokens).item(), _grad_gap(compiled, eager),
+                                    _grad_gap(compiled, one), graphs())
     return out
 
 
-def test_trainer_model_compiled_per_block_matches_eager_and_one_device(dist):
+def test_fsdp_tp_model_compiled_per_block_matches_eager_and_one_device(dist):
     for result in dist.run(4, _trainer_model_gaps, timeout=600):
-        for name, (single, eager, compiled, gap, gap_one, gathers, blocks) in result.items():
-            # Forward gathers the root and every block; backward only the blocks that were freed
-            # after forward: all but the last (the root keeps its parameters, as torch's FSDP2).
-            assert gathers == 1 + blocks + (blocks - 1), (name, gathers, blocks)
-            assert abs(compiled - eager) <= 1e-6 * abs(eager), (name, compiled, eager)
-            assert abs(compiled - single) <= 1e-5 * abs(single), (name, compiled, single)
-            assert gap < 1e-6 and gap_one < 1e-4, (name, gap, gap_one)
+        single, eager, gathers, blocks = result["eager"]
+        # Forward gathers the root and every block; backward only the blocks that were freed
+        # after forward: all but the last (the root keeps its parameters, as torch's FSDP2).
+        assert gathers == 1 + blocks + (blocks - 1), (gathers, blocks)
+        assert blocks == 2 and abs(eager - single) <= 1e-5 * abs(single), (blocks, eager, single)
+        assert set(result["compiled"]) == set(BACKENDS), result
+        for backend, (loss, gap, gap_one, graphs) in result["compiled"].items():
+            assert graphs >= 1, (backend, graphs)
+            assert abs(loss - eager) <= 1e-6 * abs(eager), (backend, loss, eager)
+            assert abs(loss - single) <= 1e-5 * abs(single), (backend, loss, single)
+            assert gap < 1e-5 and gap_one < 1e-4, (backend, gap, gap_one)
+
+
+# ---------------------------------------------------------------------- a TP+SP Llama block
+def _block_gaps() -> dict:
+    """The TP+SP Llama block (tp=4) compiled alone (fullgraph) inside an eager model, per
+    backend: the loss, the block's gradient gaps to eager shardwise and to one device, and the
+    graphs compiled; plus the one-device and eager losses."""
+    world = dist.get_world_size()
+    dims = ParallelDims(tp=world, world_size=world)
+    mesh = dims.build_mesh("cpu")
+    args = get_model_args("tiny")
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    one = _model(ParallelDims(world_size=1), None, False)
+    single = _step(_OneBlock(one.layers["0"], one), tokens).item()
+    eager = _model(dims, mesh, True)
+    out: dict = {"eager": (single, _step(_OneBlock(eager.layers["0"], eager), tokens).item()), "compiled": {}}
+    for backend, counted, graphs in _matrix_backends():
+        model = _model(dims, mesh, True)
+        block = model.layers["0"]
+        block.compile(backend=counted, fullgraph=True)
+        loss = _step(_OneBlock(block, model), tokens).item()
+        out["compiled"][backend] = (loss, _grad_gap(block, eager.layers["0"]), _grad_gap(block, one.layers["0"]), graphs())
+    return out
+
+
+def test_tp_sp_block_compiles_with_every_backend(dist):
+    for result in dist.run(4, _block_gaps, timeout=600):
+        single, eager = result["eager"]
+        assert abs(eager - single) <= 1e-5 * abs(single), (eager, single)
+        assert set(result["compiled"]) == set(BACKENDS), result
+        for backend, (loss, gap, gap_one, graphs) in result["compiled"].items():
+            assert graphs == 1, (backend, graphs)
+            assert abs(loss - eager) <= 1e-6 * abs(eager), (backend, loss, eager)
+            assert abs(loss - single) <= 1e-5 * abs(single), (backend, loss, single)
+            assert gap < 1e-5 and gap_one < 1e-4, (backend, gap, gap_one)
 
 
 # ---------------------------------------------------------------------- the graph itself
