@@ -311,6 +311,62 @@ def test_tp_sp_block_compiles_to_one_graph_with_its_collectives(dist):
     assert bucketing["gap"] < 1e-6, bucketing
 
 
+# ---------------------------------------------------------------------- graph breaks vs torch's DTensor
+def _dtensor_library(name: str):
+    """The names the comparison programs use, from shardwise or from torch.distributed.tensor."""
+    if name == "torch":
+        from torch.distributed.tensor import DTensor as T, Replicate as R, Shard as S, distribute_tensor, init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel as C, RowwiseParallel as W, parallelize_module as P
+    else:
+        from shardwise import DTensor as T, Replicate as R, Shard as S, distribute_tensor, init_device_mesh
+        from shardwise.parallel import ColwiseParallel as C, RowwiseParallel as W, parallelize_module as P
+    return T, R, S, distribute_tensor, init_device_mesh, C, W, P
+
+
+def _break_counts() -> dict:
+    """Graph breaks (``torch._dynamo.explain``) of the same small programs written against
+    shardwise and against torch's DTensor, per program: (shardwise, torch, shardwise's reasons)."""
+    out: dict = {}
+    for lib in ("shardwise", "torch"):
+        T, R, S, distribute_tensor, init_device_mesh, C, W, P = _dtensor_library(lib)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        x = distribute_tensor(torch.randn(8, 4, generator=torch.Generator().manual_seed(5)), mesh, [S(0)])
+        mlp = P(_mlp(), mesh, {"0": C(), "2": W()})
+        programs = {
+            "ops": (lambda t: (t @ t.T).relu().sum(), x),
+            "redistribute(placements=...)": (lambda t: t.redistribute(placements=[R()]) * 2, x),
+            "redistribute(mesh, ...)": (lambda t: t.redistribute(mesh, [R()]) * 2, x),
+            "full_tensor": (lambda t: t.full_tensor() + 1, x),
+            "from_local/to_local": (lambda b: T.from_local(b * 2, mesh, [S(0)]).redistribute(placements=[R()]).to_local() + 1,
+                                    torch.ones(2, 4)),
+            "TP MLP": (mlp, torch.randn(8, 16, generator=torch.Generator().manual_seed(6))),
+        }
+        for name, (fn, arg) in programs.items():
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(fn)(arg)
+            out.setdefault(name, {})[lib] = (explained.graph_break_count, [str(r.reason) for r in explained.break_reasons])
+    torch._dynamo.reset()
+    return out
+
+
+# Programs that break in shardwise only, and why (README "Compiling"): Dynamo puts a method
+# call on a tensor subclass into the graph as it is (``call_method``), so every argument
+# must be a graph constant or a proxy. torch registers its DeviceMesh as an opaque
+# reference type (torch._library.opaque_object); shardwise's DeviceMesh is a pytree
+# constant (what its opaque conversions need), which Dynamo cannot place in such a call.
+_BREAKS_ONLY_IN_SHARDWISE = {"redistribute(mesh, ...)": 1}
+
+
+def test_graph_breaks_no_more_than_torch_dtensor(dist):
+    for counts in dist.run(2, _break_counts, timeout=600):
+        for name, result in counts.items():
+            (ours, reasons), (theirs, _) = result["shardwise"], result["torch"]
+            assert ours <= theirs + _BREAKS_ONLY_IN_SHARDWISE.get(name, 0), (name, ours, theirs, reasons)
+        # The known extra break is still there (this fails once it is fixed: update the table).
+        for name, extra in _BREAKS_ONLY_IN_SHARDWISE.items():
+            assert counts[name]["shardwise"][0] == counts[name]["torch"][0] + extra, counts[name]
+
+
 # ---------------------------------------------------------------------- bad input
 def _mixed_meshes(compiled: bool):
     world = dist.get_world_size()
