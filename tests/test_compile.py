@@ -205,8 +205,9 @@ def test_tp_sp_block_compiles_with_every_backend(dist):
 def _graph_collectives() -> dict:
     """Collectives of one TP+SP step: counted in the captured forward/backward graphs before
     and after shardwise's communication pass (comm_schedule), and issued by eager shardwise
-    (CommDebugMode); graph breaks of one block (torch._dynamo.explain); then the bucketing of
-    independent small collectives in a compiled gradient reduction."""
+    (CommDebugMode); the block is compiled whole (fullgraph: a graph break raises) into one
+    forward graph; then the bucketing of independent small collectives in a compiled gradient
+    reduction."""
     from shardwise import comm_schedule
     from shardwise.debug import CommDebugMode
 
@@ -216,8 +217,10 @@ def _graph_collectives() -> dict:
     args = get_model_args("tiny")
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     censuses: dict[str, tuple] = {}
+    compiled_kinds: list[str] = []
 
     def inspect(kind, before, gm):
+        compiled_kinds.append(kind)
         censuses[kind] = (before, comm_schedule.census(gm))
 
     torch._dynamo.reset()
@@ -227,19 +230,14 @@ def _graph_collectives() -> dict:
         eager_loss = _step(block_only := _OneBlock(block, eager), tokens)
     eager_counts = dict(comm.get_comm_counts())
     compiled = _model(dims, mesh, True)
-    compiled.layers["0"].compile(backend=comm_schedule.backend("aot_eager", inspect=inspect))
+    compiled.layers["0"].compile(backend=comm_schedule.backend("aot_eager", inspect=inspect), fullgraph=True)
     compiled_loss = _step(_OneBlock(compiled.layers["0"], compiled), tokens)
     gap = _grad_gap(compiled.layers["0"], eager.layers["0"])
     graphs = {kind: before.counts for kind, (before, _) in censuses.items()}
     optimized = {kind: (after.counts, before.overlap, after.overlap) for kind, (before, after) in censuses.items()}
-    torch._dynamo.reset()
-    fresh = _model(dims, mesh, True)
-    x = fresh.tok_embeddings(tokens)
-    explained = torch._dynamo.explain(fresh.layers["0"])(x, fresh.rotary)
     del block_only
-    return {"graphs": graphs, "optimized": optimized, "eager": eager_counts, "graph_count": explained.graph_count,
+    return {"graphs": graphs, "optimized": optimized, "eager": eager_counts, "compiled_kinds": compiled_kinds,
             "losses": (eager_loss.item(), compiled_loss.item()), "grad_gap": gap,
-            "breaks": explained.graph_break_count, "reasons": [str(r.reason) for r in explained.break_reasons],
             "bucketing": _bucketed_reduction(mesh)}
 
 
@@ -287,7 +285,7 @@ class _OneBlock(nn.Module):
 def test_tp_sp_block_compiles_to_one_graph_with_its_collectives(dist):
     result = dist.run(4, _graph_collectives, timeout=600)[0]
     graphs, eager = result["graphs"], result["eager"]
-    assert result["breaks"] == 0 and result["graph_count"] == 1, result["reasons"]
+    assert result["compiled_kinds"] == ["forward", "backward"], result["compiled_kinds"]  # one graph each
     eager_loss, compiled_loss = result["losses"]
     assert abs(compiled_loss - eager_loss) <= 1e-6 * abs(eager_loss) and result["grad_gap"] < 1e-6, result
     # The block's own collectives: SP all_gathers its inputs, reduce_scatters its outputs.
