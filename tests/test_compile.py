@@ -1,8 +1,10 @@
 """torch.compile of DTensor programs (shardwise/compile.py): compiled equals eager equals one
 device, collectives are graph nodes, no graph breaks inside a tensor-parallel block.
 
-Real processes and gloo. Compiling is slow on this machine's CPUs, so each distributed body
-checks several models and backends at once; inductor runs on the smallest model only.
+The matrix: a TP MLP, a TP+SP Llama block and an FSDP+TP two-block model, each compiled with
+the backends eager, aot_eager and inductor on 4 ranks, values and gradients against eager
+shardwise and against one device. Real processes and gloo. Compiling is slow on small CPUs,
+so each model is one distributed body that runs all backends (see ``_matrix_backends``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from shardwise import DTensor, Replicate, Shard
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from shardwise.parallel.parallel_dims import ParallelDims
 from shardwise.train.config import get_model_args
-from shardwise.train.parallelize import ParallelOptions, build_llama, compile_backend
+from shardwise.train.parallelize import ParallelOptions, build_llama
 
 _COLLECTIVES = {
     "all_gather_into_tensor": "all_gather",
@@ -38,6 +40,32 @@ def _grad_gap(model: nn.Module, ref: nn.Module) -> float:
                for p, q in zip(model.parameters(), ref.parameters()))
 
 
+BACKENDS = ("eager", "aot_eager", "inductor")
+
+
+def _matrix_backends():
+    """For each backend of the matrix: its name, the backend wrapped to count the graphs Dynamo
+    hands it, and that count (zero graphs would mean the code ran eagerly, not compiled).
+
+    Dynamo's caches are reset before each backend, so no backend reuses another's graphs or
+    runs into the recompile limit (past it Dynamo silently runs eagerly). Inductor compiles
+    in this process (compile_threads=1): the ranks already share the CPUs, and its
+    compile-worker pool would start one more process per rank.
+    """
+    import torch._inductor.config as inductor_config
+
+    for name in BACKENDS:
+        torch._dynamo.reset()
+        inner, graphs = torch._dynamo.lookup_backend(name), []
+
+        def counted(gm, example_inputs, inner=inner, graphs=graphs):
+            graphs.append(gm)
+            return inner(gm, example_inputs)
+
+        with inductor_config.patch(compile_threads=1):
+            yield name, counted, graphs.__len__
+
+
 # ---------------------------------------------------------------------- a TP MLP
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
@@ -48,27 +76,34 @@ def _tp_mlp(mesh) -> nn.Module:
     return parallelize_module(_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
-def _mlp_gaps(backends: tuple[str, ...]) -> dict:
-    """Per backend: output and gradient gaps of the compiled TP MLP to one device."""
+def _mlp_gaps() -> dict:
+    """Per backend: output and gradient gaps of the compiled TP MLP to eager shardwise and to
+    one device, and the graphs the backend compiled."""
     mesh = sw.init_device_mesh("cpu", (dist.get_world_size(),))
     ref = _mlp()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     want = ref(x)
     want.square().sum().backward()
+    eager = _tp_mlp(mesh)
+    eager_out = eager(x)
+    eager_out.square().sum().backward()
     out = {}
-    for backend in backends:
-        torch._dynamo.reset()
+    for backend, counted, graphs in _matrix_backends():
         model = _tp_mlp(mesh)
-        got = torch.compile(model, backend=backend, fullgraph=True)(x)
+        got = torch.compile(model, backend=counted, fullgraph=True)(x)
         got.square().sum().backward()
-        out[backend] = ((got - want).abs().max().item(), _grad_gap(model, ref))
+        out[backend] = ((got - eager_out).abs().max().item(), _grad_gap(model, eager),
+                        (got - want).abs().max().item(), _grad_gap(model, ref), graphs())
     return out
 
 
 def test_tp_mlp_compiles_with_every_backend(dist):
-    for gaps in dist.run(2, _mlp_gaps, ("eager", "aot_eager", "inductor"), timeout=600):
-        for backend, (value, grad) in gaps.items():
+    for gaps in dist.run(4, _mlp_gaps, timeout=600):
+        assert set(gaps) == set(BACKENDS), gaps
+        for backend, (value, grad, value_one, grad_one, graphs) in gaps.items():
+            assert graphs == 1, (backend, graphs)  # fullgraph: one forward graph, compiled once
             assert value < 1e-5 and grad < 1e-5, (backend, value, grad)
+            assert value_one < 1e-5 and grad_one < 1e-5, (backend, value_one, grad_one)
 
 
 # ---------------------------------------------------------------------- the trainer's model
@@ -89,51 +124,90 @@ def _compile_blocks(model: nn.Module, backend) -> None:
         block.compile(backend=backend, fullgraph=False)
 
 
-def _layouts() -> dict:
-    world = dist.get_world_size()
-    return {"fsdp_tp": (ParallelDims(dp_shard=2, tp=world // 2, world_size=world), False)}
-
-
 def _trainer_model_gaps() -> dict:
-    """Per layout: losses (one device, eager, compiled), the compiled-vs-eager gradient gap, and
-    the parameter all_gathers of an eager step (with the number of blocks)."""
+    """The FSDP+TP two-block model (dp_shard=2 x tp=2), each block compiled as the trainer
+    compiles it, per backend: the loss, the gradient gaps to eager shardwise and to one device,
+    and the graphs compiled; plus the one-device and eager losses and the parameter
+    all_gathers of an eager step (with the number of blocks)."""
     from shardwise.debug import CommDebugMode
 
     args = get_model_args("tiny")
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
     one = _model(ParallelDims(world_size=1), None, False)
     single = _step(one, tokens).item()
-    out = {}
-    for name, (dims, sp) in _layouts().items():
-        torch._dynamo.reset()
-        mesh = dims.build_mesh("cpu")
-        eager, compiled = _model(dims, mesh, sp), _model(dims, mesh, sp)
-        _compile_blocks(compiled, compile_backend("aot_eager+comm"))  # with the communication pass
-        with CommDebugMode() as comm:
-            eager_loss = _step(eager, tokens).item()
-        gathers = sum(1 for r in comm.records if r.kind == "all_gather" and r.mesh.axis_name(r.axis) == "dp_shard")
-        out[name] = (single, eager_loss, _step(compiled, tokens).item(), _grad_gap(compiled, eager),
-                     _grad_gap(compiled, one), gathers, len(eager.layers))
+    world = dist.get_world_size()
+    dims = ParallelDims(dp_shard=2, tp=world // 2, world_size=world)
+    mesh = dims.build_mesh("cpu")
+    eager = _model(dims, mesh, False)
+    with CommDebugMode() as comm:
+        eager_loss = _step(eager, tokens).item()
+    gathers = sum(1 for r in comm.records if r.kind == "all_gather" and r.mesh.axis_name(r.axis) == "dp_shard")
+    out: dict = {"eager": (single, eager_loss, gathers, len(eager.layers)), "compiled": {}}
+    for backend, counted, graphs in _matrix_backends():
+        compiled = _model(dims, mesh, False)
+        _compile_blocks(compiled, counted)
+        out["compiled"][backend] = (_step(compiled, tokens).item(), _grad_gap(compiled, eager),
+                                    _grad_gap(compiled, one), graphs())
     return out
 
 
-def test_trainer_model_compiled_per_block_matches_eager_and_one_device(dist):
+def test_fsdp_tp_model_compiled_per_block_matches_eager_and_one_device(dist):
     for result in dist.run(4, _trainer_model_gaps, timeout=600):
-        for name, (single, eager, compiled, gap, gap_one, gathers, blocks) in result.items():
-            # Forward gathers the root and every block; backward only the blocks that were freed
-            # after forward: all but the last (the root keeps its parameters, as torch's FSDP2).
-            assert gathers == 1 + blocks + (blocks - 1), (name, gathers, blocks)
-            assert abs(compiled - eager) <= 1e-6 * abs(eager), (name, compiled, eager)
-            assert abs(compiled - single) <= 1e-5 * abs(single), (name, compiled, single)
-            assert gap < 1e-6 and gap_one < 1e-4, (name, gap, gap_one)
+        single, eager, gathers, blocks = result["eager"]
+        # Forward gathers the root and every block; backward only the blocks that were freed
+        # after forward: all but the last (the root keeps its parameters, as torch's FSDP2).
+        assert gathers == 1 + blocks + (blocks - 1), (gathers, blocks)
+        assert blocks == 2 and abs(eager - single) <= 1e-5 * abs(single), (blocks, eager, single)
+        assert set(result["compiled"]) == set(BACKENDS), result
+        for backend, (loss, gap, gap_one, graphs) in result["compiled"].items():
+            assert graphs >= 1, (backend, graphs)
+            assert abs(loss - eager) <= 1e-6 * abs(eager), (backend, loss, eager)
+            assert abs(loss - single) <= 1e-5 * abs(single), (backend, loss, single)
+            assert gap < 1e-5 and gap_one < 1e-4, (backend, gap, gap_one)
+
+
+# ---------------------------------------------------------------------- a TP+SP Llama block
+def _block_gaps() -> dict:
+    """The TP+SP Llama block (tp=4) compiled alone (fullgraph) inside an eager model, per
+    backend: the loss, the block's gradient gaps to eager shardwise and to one device, and the
+    graphs compiled; plus the one-device and eager losses."""
+    world = dist.get_world_size()
+    dims = ParallelDims(tp=world, world_size=world)
+    mesh = dims.build_mesh("cpu")
+    args = get_model_args("tiny")
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    one = _model(ParallelDims(world_size=1), None, False)
+    single = _step(_OneBlock(one.layers["0"], one), tokens).item()
+    eager = _model(dims, mesh, True)
+    out: dict = {"eager": (single, _step(_OneBlock(eager.layers["0"], eager), tokens).item()), "compiled": {}}
+    for backend, counted, graphs in _matrix_backends():
+        model = _model(dims, mesh, True)
+        block = model.layers["0"]
+        block.compile(backend=counted, fullgraph=True)
+        loss = _step(_OneBlock(block, model), tokens).item()
+        out["compiled"][backend] = (loss, _grad_gap(block, eager.layers["0"]), _grad_gap(block, one.layers["0"]), graphs())
+    return out
+
+
+def test_tp_sp_block_compiles_with_every_backend(dist):
+    for result in dist.run(4, _block_gaps, timeout=600):
+        single, eager = result["eager"]
+        assert abs(eager - single) <= 1e-5 * abs(single), (eager, single)
+        assert set(result["compiled"]) == set(BACKENDS), result
+        for backend, (loss, gap, gap_one, graphs) in result["compiled"].items():
+            assert graphs == 1, (backend, graphs)
+            assert abs(loss - eager) <= 1e-6 * abs(eager), (backend, loss, eager)
+            assert abs(loss - single) <= 1e-5 * abs(single), (backend, loss, single)
+            assert gap < 1e-5 and gap_one < 1e-4, (backend, gap, gap_one)
 
 
 # ---------------------------------------------------------------------- the graph itself
 def _graph_collectives() -> dict:
     """Collectives of one TP+SP step: counted in the captured forward/backward graphs before
     and after shardwise's communication pass (comm_schedule), and issued by eager shardwise
-    (CommDebugMode); graph breaks of one block (torch._dynamo.explain); then the bucketing of
-    independent small collectives in a compiled gradient reduction."""
+    (CommDebugMode); the block is compiled whole (fullgraph: a graph break raises) into one
+    forward graph; then the bucketing of independent small collectives in a compiled gradient
+    reduction."""
     from shardwise import comm_schedule
     from shardwise.debug import CommDebugMode
 
@@ -143,8 +217,10 @@ def _graph_collectives() -> dict:
     args = get_model_args("tiny")
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     censuses: dict[str, tuple] = {}
+    compiled_kinds: list[str] = []
 
     def inspect(kind, before, gm):
+        compiled_kinds.append(kind)
         censuses[kind] = (before, comm_schedule.census(gm))
 
     torch._dynamo.reset()
@@ -154,19 +230,14 @@ def _graph_collectives() -> dict:
         eager_loss = _step(block_only := _OneBlock(block, eager), tokens)
     eager_counts = dict(comm.get_comm_counts())
     compiled = _model(dims, mesh, True)
-    compiled.layers["0"].compile(backend=comm_schedule.backend("aot_eager", inspect=inspect))
+    compiled.layers["0"].compile(backend=comm_schedule.backend("aot_eager", inspect=inspect), fullgraph=True)
     compiled_loss = _step(_OneBlock(compiled.layers["0"], compiled), tokens)
     gap = _grad_gap(compiled.layers["0"], eager.layers["0"])
     graphs = {kind: before.counts for kind, (before, _) in censuses.items()}
     optimized = {kind: (after.counts, before.overlap, after.overlap) for kind, (before, after) in censuses.items()}
-    torch._dynamo.reset()
-    fresh = _model(dims, mesh, True)
-    x = fresh.tok_embeddings(tokens)
-    explained = torch._dynamo.explain(fresh.layers["0"])(x, fresh.rotary)
     del block_only
-    return {"graphs": graphs, "optimized": optimized, "eager": eager_counts, "graph_count": explained.graph_count,
+    return {"graphs": graphs, "optimized": optimized, "eager": eager_counts, "compiled_kinds": compiled_kinds,
             "losses": (eager_loss.item(), compiled_loss.item()), "grad_gap": gap,
-            "breaks": explained.graph_break_count, "reasons": [str(r.reason) for r in explained.break_reasons],
             "bucketing": _bucketed_reduction(mesh)}
 
 
@@ -214,7 +285,7 @@ class _OneBlock(nn.Module):
 def test_tp_sp_block_compiles_to_one_graph_with_its_collectives(dist):
     result = dist.run(4, _graph_collectives, timeout=600)[0]
     graphs, eager = result["graphs"], result["eager"]
-    assert result["breaks"] == 0 and result["graph_count"] == 1, result["reasons"]
+    assert result["compiled_kinds"] == ["forward", "backward"], result["compiled_kinds"]  # one graph each
     eager_loss, compiled_loss = result["losses"]
     assert abs(compiled_loss - eager_loss) <= 1e-6 * abs(eager_loss) and result["grad_gap"] < 1e-6, result
     # The block's own collectives: SP all_gathers its inputs, reduce_scatters its outputs.
@@ -236,6 +307,62 @@ def test_tp_sp_block_compiles_to_one_graph_with_its_collectives(dist):
     assert bucketing["eager"] == {"all_reduce": 2, "reduce_scatter": 2}, bucketing
     assert bucketing["before"] == bucketing["eager"] and bucketing["after"] == {"all_reduce": 1, "reduce_scatter": 1}, bucketing
     assert bucketing["gap"] < 1e-6, bucketing
+
+
+# ---------------------------------------------------------------------- graph breaks vs torch's DTensor
+def _dtensor_library(name: str):
+    """The names the comparison programs use, from shardwise or from torch.distributed.tensor."""
+    if name == "torch":
+        from torch.distributed.tensor import DTensor as T, Replicate as R, Shard as S, distribute_tensor, init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel as C, RowwiseParallel as W, parallelize_module as P
+    else:
+        from shardwise import DTensor as T, Replicate as R, Shard as S, distribute_tensor, init_device_mesh
+        from shardwise.parallel import ColwiseParallel as C, RowwiseParallel as W, parallelize_module as P
+    return T, R, S, distribute_tensor, init_device_mesh, C, W, P
+
+
+def _break_counts() -> dict:
+    """Graph breaks (``torch._dynamo.explain``) of the same small programs written against
+    shardwise and against torch's DTensor, per program: (shardwise, torch, shardwise's reasons)."""
+    out: dict = {}
+    for lib in ("shardwise", "torch"):
+        T, R, S, distribute_tensor, init_device_mesh, C, W, P = _dtensor_library(lib)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        x = distribute_tensor(torch.randn(8, 4, generator=torch.Generator().manual_seed(5)), mesh, [S(0)])
+        mlp = P(_mlp(), mesh, {"0": C(), "2": W()})
+        programs = {
+            "ops": (lambda t: (t @ t.T).relu().sum(), x),
+            "redistribute(placements=...)": (lambda t: t.redistribute(placements=[R()]) * 2, x),
+            "redistribute(mesh, ...)": (lambda t: t.redistribute(mesh, [R()]) * 2, x),
+            "full_tensor": (lambda t: t.full_tensor() + 1, x),
+            "from_local/to_local": (lambda b: T.from_local(b * 2, mesh, [S(0)]).redistribute(placements=[R()]).to_local() + 1,
+                                    torch.ones(2, 4)),
+            "TP MLP": (mlp, torch.randn(8, 16, generator=torch.Generator().manual_seed(6))),
+        }
+        for name, (fn, arg) in programs.items():
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(fn)(arg)
+            out.setdefault(name, {})[lib] = (explained.graph_break_count, [str(r.reason) for r in explained.break_reasons])
+    torch._dynamo.reset()
+    return out
+
+
+# Programs that break in shardwise only, and why (README "Compiling"): Dynamo puts a method
+# call on a tensor subclass into the graph as it is (``call_method``), so every argument
+# must be a graph constant or a proxy. torch registers its DeviceMesh as an opaque
+# reference type (torch._library.opaque_object); shardwise's DeviceMesh is a pytree
+# constant (what its opaque conversions need), which Dynamo cannot place in such a call.
+_BREAKS_ONLY_IN_SHARDWISE = {"redistribute(mesh, ...)": 1}
+
+
+def test_graph_breaks_no_more_than_torch_dtensor(dist):
+    for counts in dist.run(2, _break_counts, timeout=600):
+        for name, result in counts.items():
+            (ours, reasons), (theirs, _) = result["shardwise"], result["torch"]
+            assert ours <= theirs + _BREAKS_ONLY_IN_SHARDWISE.get(name, 0), (name, ours, theirs, reasons)
+        # The known extra break is still there (this fails once it is fixed: update the table).
+        for name, extra in _BREAKS_ONLY_IN_SHARDWISE.items():
+            assert counts[name]["shardwise"][0] == counts[name]["torch"][0] + extra, counts[name]
 
 
 # ---------------------------------------------------------------------- bad input
