@@ -8,6 +8,9 @@ whole pytest session and shut down at the end.
 Workers come from a multiprocessing "forkserver" that has imported torch once, so a
 pool costs a fork per rank instead of a fresh interpreter importing torch: a 4-rank
 pool took ~7 CPU-seconds to start, now ~1 (plus one torch import for the server).
+The server also imports shardwise and the trainer (``_FORKSERVER_PRELOAD``): ``import
+shardwise`` pulls in torch._dynamo, ~2 CPU-seconds that every worker of every pool
+(re)started in a session would otherwise pay on its first task.
 ``SHARDWISE_TEST_START_METHOD=spawn`` gives every worker a fresh interpreter instead.
 
 Usage from a test (``dist`` is the session-scoped fixture from ``tests/conftest.py``)::
@@ -82,7 +85,8 @@ TIMEOUT_ENV = "SHARDWISE_TEST_TIMEOUT"
 DESYNC_GRACE_ENV = "SHARDWISE_TEST_DESYNC_GRACE"
 STARTUP_TIMEOUT_ENV = "SHARDWISE_TEST_STARTUP_TIMEOUT"
 START_METHOD_ENV = "SHARDWISE_TEST_START_METHOD"
-_FORKSERVER_PRELOAD = ("torch", "torch.distributed")
+# Imported once by the forkserver, inherited by every worker it forks (see the module docstring).
+_FORKSERVER_PRELOAD = ("torch", "torch.distributed", "shardwise", "shardwise.train.trainer")
 DEFAULT_DESYNC_GRACE = 5.0
 DEFAULT_STARTUP_TIMEOUT = 180.0
 MAX_WORLD_SIZE = 8

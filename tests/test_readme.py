@@ -9,6 +9,11 @@ environment is such an install; ``.ci/run`` runs them in a fresh virtual environ
 torch pin must be the installed torch and their extras must exist. Everything runs with only
 shardwise's declared dependencies importable (``tests/declared_deps.py``), as for a reader who
 followed the README. Skipped blocks are few, give their reason, and get static checks.
+
+A block's job is mostly start-up (a launcher importing torch while its workers wait for it,
+single-process blocks using one core), so the selected blocks run two at a time in the
+background, in README order, as soon as the first block test asks for its result
+(``block_runs``); each block test then checks its own job's exit status and output.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -34,6 +40,7 @@ BLOCKS = readme_blocks.blocks()
 RUNNABLE = [b for b in BLOCKS if b.kind != "skip"]
 MAX_SKIPS = 3
 TIMEOUT_S = 240
+CONCURRENT_BLOCKS = 2  # jobs at once: one's start-up overlaps the other's work on 2 cores
 LAUNCH_LINE = {
     "torchrun": "# {n} processes: torchrun --standalone --nproc-per-node {n} example.py",
     "launch": "# {n} processes: python -m shardwise.launch --nproc {n} example.py",
@@ -49,11 +56,17 @@ def _env() -> dict[str, str]:
     return blocking_env(env)
 
 
-def _run(cmd: list[str], cwd: Path, block: readme_blocks.Block) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{block.name}\n$ {shlex.join(cmd)}\nexit {proc.returncode}:\n{out[-5000:]}"
-    return out
+def _text(stream: str | bytes | None) -> str:
+    return stream.decode(errors="replace") if isinstance(stream, bytes) else stream or ""
+
+
+def _run(cmd: list[str], cwd: Path) -> tuple[int | None, str]:
+    """Run one block's command; its exit status and output (a timeout is reported as status None)."""
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        return None, f"(no exit after {TIMEOUT_S} s)\n{_text(exc.stdout)}{_text(exc.stderr)}"
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def _python_command(block: readme_blocks.Block) -> list[str]:
@@ -101,20 +114,54 @@ def _extras() -> set[str]:
 
 
 # ------------------------------------------------------------------ the blocks themselves
-@pytest.mark.parametrize("block", RUNNABLE, ids=[f"line{b.line}-{b.kind}" for b in RUNNABLE])
-def test_readme_block_runs(block, tmp_path):
+def _block_command(block: readme_blocks.Block, tmp: Path) -> tuple[list[str], Path]:
+    """The command that runs ``block`` as a reader would, and its working directory: a python
+    block is saved as ``tmp/example.py``; a bash block's commands, ``pip install`` left out
+    (checked by the test instead), run from the repository root."""
     if block.lang == "python":
-        (tmp_path / "example.py").write_text(block.tested_code())
-        _run(_python_command(block), tmp_path, block)
-        return
-    assert block.kind == "bash" and block.lang == "bash", f"{block.name}: a {block.lang or 'plain'} block cannot run"
-    commands = _commands(block)
-    for command in commands:
-        if command.startswith("pip install"):
-            _check_pip(command)
-    rest = [c for c in commands if not c.startswith("pip install")]
-    assert rest, f"{block.name}: nothing to run"
-    _run(["bash", "-euo", "pipefail", "-c", " && ".join(rest)], REPO, block)
+        (tmp / "example.py").write_text(block.tested_code())
+        return _python_command(block), tmp
+    rest = [c for c in _commands(block) if not c.startswith("pip install")]
+    return ["bash", "-euo", "pipefail", "-c", " && ".join(rest)], REPO
+
+
+def _runnable(block: readme_blocks.Block) -> bool:
+    if block.lang == "python":
+        return True
+    return block.kind == "bash" and block.lang == "bash" and any(
+        not c.startswith("pip install") for c in _commands(block))
+
+
+@pytest.fixture(scope="module")
+def block_runs(request, tmp_path_factory):
+    """The jobs of the selected block tests, queued in README order, ``CONCURRENT_BLOCKS`` at a
+    time: block line -> (command, future of (exit status, output)). A block that cannot run is
+    not queued; its test fails on its own."""
+    selected = {item.callspec.params["block"].line for item in request.session.items
+                if item.module.__name__ == __name__ and item.originalname == "test_readme_block_runs"}
+    runs: dict[int, tuple[list[str], Future]] = {}
+    with ThreadPoolExecutor(max_workers=CONCURRENT_BLOCKS, thread_name_prefix="readme-block") as pool:
+        for block in RUNNABLE:
+            if block.line in selected and _runnable(block):
+                cmd, cwd = _block_command(block, tmp_path_factory.mktemp(f"line{block.line}"))
+                runs[block.line] = (cmd, pool.submit(_run, cmd, cwd))
+        yield runs
+        for _, future in runs.values():
+            future.cancel()  # after a failed test under -x: queued jobs do not start
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=[f"line{b.line}-{b.kind}" for b in RUNNABLE])
+def test_readme_block_runs(block, block_runs):
+    if block.lang != "python":
+        assert block.kind == "bash" and block.lang == "bash", f"{block.name}: a {block.lang or 'plain'} block cannot run"
+        commands = _commands(block)
+        for command in commands:
+            if command.startswith("pip install"):
+                _check_pip(command)
+        assert [c for c in commands if not c.startswith("pip install")], f"{block.name}: nothing to run"
+    cmd, future = block_runs[block.line]
+    status, out = future.result()
+    assert status == 0, f"{block.name}\n$ {shlex.join(cmd)}\nexit {status}:\n{out[-5000:]}"
 
 
 def test_blocks_are_marked_and_few_are_skipped():

@@ -9,6 +9,7 @@ refused before any worker starts.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -42,14 +43,21 @@ def _losses(argv: list[str]) -> list[float]:
     return train(job, Runtime.create(job)).losses
 
 
-@pytest.fixture(scope="module")
-def reference() -> list[float]:
-    """Losses of the one-process run (this process, no process group)."""
+@functools.cache
+def one_process_losses(argv: tuple[str, ...]) -> tuple[float, ...]:
+    """Losses of the one-process run of ``argv`` (this process, no process group); computed
+    once per session, for every module that compares with it."""
     from shardwise.train.trainer import Runtime, train
 
-    job = cli.job_from_argv(BASE)
+    job = cli.job_from_argv(list(argv))
     assert Runtime.create(job).world_mesh is None
-    return train(job, Runtime.create(job)).losses
+    return tuple(train(job, Runtime.create(job)).losses)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    """Losses of the one-process run of ``BASE``."""
+    return list(one_process_losses(tuple(BASE)))
 
 
 def _assert_parity(got: list[float], want: list[float], layout: str) -> None:

@@ -18,7 +18,7 @@ import pytest
 from shardwise.parallel.pipeline_split import (num_stages, pipeline_problems, stage_layers, stage_module_paths,
                                                stages_of_rank)
 from shardwise.train.config import JobConfig
-from tests.test_train import BASE, STEPS, _assert_parity, _losses, reference  # noqa: F401 (fixture)
+from tests.test_train import BASE, STEPS, _assert_parity, _losses, one_process_losses, reference  # noqa: F401 (fixture)
 
 
 def _with_config(argv: list[str], config: str) -> list[str]:
@@ -30,11 +30,7 @@ def _with_config(argv: list[str], config: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference4() -> list[float]:
     """Losses of the one-process run of ``tiny4``."""
-    from shardwise.train.trainer import Runtime, train
-    from shardwise.train import cli
-
-    job = cli.job_from_argv(_with_config(BASE, "tiny4"))
-    return train(job, Runtime.create(job)).losses
+    return list(one_process_losses(tuple(_with_config(BASE, "tiny4"))))
 
 
 LAYOUTS = [
