@@ -249,7 +249,7 @@ class DTensor(torch.Tensor):
     # A DTensor is traced as its block plus its spec: the spec (mesh by identity, placements,
     # global shape, stride and dtype) is the hashable context that guards compare, and the
     # dispatcher runs at trace time on fake blocks, so its collectives become graph nodes
-    # (see comm.py). docs/compile.md describes the path.
+    # (see comm.py). README.md, "Compiling: torch.compile", describes the path.
     def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:
         return ["_local_tensor"], self._spec
 
