@@ -10,7 +10,7 @@ DTensor/FSDP2 with every block compiled (``block.compile(backend=...)`` after pa
 the torchtitan pattern). Reported per mode:
 
 * median step time (forward, loss, backward, AdamW) of each, slowest rank, repetitions
-  interleaved; ratios compiled/eager and shardwise/torch (compiled), the latter also in CPU
+  interleaved; ratios compiled/eager (shardwise) and shardwise/torch (compiled), both also in CPU
   time (each rank's process_time over the step, the largest: what the step computes, without
   waits, so less swayed by other load on the machine);
 * compile time: the first step's time minus the median step;
@@ -252,7 +252,7 @@ class Bench:
     def report(self, rows: list, chains: dict[str, float]) -> None:
         names = ("sw eager", "sw compiled", "torch compiled")
         head = (f"{'mode':<8} " + " ".join(f"{n + ' s':>17}" for n in names)
-                + f" {'sw compiled/eager':>17} {'sw/torch compiled':>17} {'(CPU time)':>10}   collectives/step (sw eager, sw compiled, "
+                + f" {'sw compiled/eager':>17} {'(CPU time)':>10} {'sw/torch compiled':>17} {'(CPU time)':>10}   collectives/step (sw eager, sw compiled, "
                   "torch compiled)   compile s (sw, torch)   loss rel diff")
         print("\n" + head + "\n" + "-" * len(head))
         nan = float("nan")
@@ -260,7 +260,9 @@ class Bench:
             m, c, k, cpu = r["median"], r["counts"], r["compile"], r["cpu"]
             t = {n: m.get(n, nan) for n in names}
             print(f"{mode:<8} " + " ".join(f"{t[n]:>17.4f}" for n in names)
-                  + f" {t['sw compiled'] / t['sw eager']:>17.2f} {t['sw compiled'] / t['torch compiled']:>17.2f}"
+                  + f" {t['sw compiled'] / t['sw eager']:>17.2f}"
+                  + f" {cpu.get('sw compiled', nan) / cpu.get('sw eager', nan):>10.2f}"
+                  + f" {t['sw compiled'] / t['torch compiled']:>17.2f}"
                   + f" {cpu.get('sw compiled', nan) / cpu.get('torch compiled', nan):>10.2f}"
                   + "   " + " ".join(f"{c.get(n, '-'):>4}" for n in names)
                   + f"{'':>28}{k.get('sw compiled', nan):>6.1f} {k.get('torch compiled', nan):>6.1f}   {r['diff']:.1e}")
