@@ -32,6 +32,12 @@ fewer bytes over all ranks than the best plan above, or as many, and never when 
 rank would send more. ``bound.py`` defines the lower bounds these plans are held to: without a
 Partial source the chosen plan meets the total and the one-round busiest-rank bound whenever
 the group exists; with one it may not (bound.py says where and why).
+
+An axis Partial in both layouts with the same op (the only op of either) may also stay
+pending (``pending.py``): each rank keeps its own contribution there, and the other axes are
+planned as a transition of their own, run side by side in every slice of the kept axes
+(exchange and reduce-forward steps carry ``kept``). It is taken on the same terms as
+reduce-forward: fewer bytes in all than the best plan above, never more for the busiest rank.
 """
 
 from __future__ import annotations
