@@ -13,12 +13,14 @@ planned by the planner on the mesh without the kept axes, and run side by side: 
 Partial axes never cut the tensor, so a rank's block has the same shape and offset on the
 full mesh and on the reduced one, and the sub-plan's steps lift to the full mesh by renaming
 their axes. Only one reduce op may appear in the two layouts (the order mixed ops are applied
-in would change the value). Flattened groups that include a kept axis span several slices
-and are not offered to the sub-plan.
+in would change the value). A flattened group that includes a kept axis spans several slices:
+it may carry the slices' all_to_alls side by side (each rank sends only within its slice),
+never a reduction (``widen``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Sequence, TypeVar
 
@@ -26,7 +28,7 @@ from shardwise.placement import Placement
 from shardwise.redistribute.bound import coordinates
 from shardwise.redistribute.exchange import Transfer
 
-__all__ = ["kept_axes", "drop", "insert", "sub_groups", "rest_axes", "lift_transfers"]
+__all__ = ["kept_axes", "drop", "insert", "sub_groups", "widen", "rest_axes", "lift_transfers"]
 
 T = TypeVar("T")
 Layout = tuple[Placement, ...]
@@ -60,9 +62,23 @@ def insert(items: Sequence[T], kept: Sequence[int], values: Sequence[T]) -> tupl
 
 
 def sub_groups(flattened: Sequence[Sequence[int]], kept: Sequence[int], ndim: int) -> tuple[tuple[int, ...], ...]:
-    """The flattened groups that avoid every kept axis, in sub-mesh axis numbers."""
+    """The flattened groups in sub-mesh axis numbers, each without its kept axes (those of two
+    or more axes left). A group that spans kept axes still carries a per-slice all_to_all (no
+    rank sends outside its slice), but not a reduction: ``widen`` says which to run on."""
     index = {a: i for i, a in enumerate(rest_axes(ndim, kept))}
-    return tuple(tuple(index[a] for a in g) for g in flattened if not set(g) & set(kept))
+    subs = {tuple(index[a] for a in g if a not in kept) for g in flattened}
+    return tuple(sorted(g for g in subs if len(g) > 1))
+
+
+def widen(axes: Sequence[int], flattened: Sequence[Sequence[int]], kept: Sequence[int],
+          mesh_shape: Sequence[int]) -> tuple[int, ...] | None:
+    """The existing flattened group (full-mesh axes) that runs a per-slice all_to_all over
+    ``axes`` (full-mesh axes, two or more): ``axes`` itself when it exists, else the smallest
+    that adds only kept axes to it; None when there is none."""
+    if tuple(axes) in {tuple(g) for g in flattened}:
+        return tuple(axes)
+    wide = [tuple(g) for g in flattened if set(g) - set(kept) == set(axes)]
+    return min(wide, key=lambda g: (math.prod(mesh_shape[a] for a in g), g)) if wide else None
 
 
 def lift_transfers(transfers: Sequence[Transfer], mesh_shape: Sequence[int], kept: Sequence[int],

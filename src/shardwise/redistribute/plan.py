@@ -53,7 +53,7 @@ from typing import Sequence
 from shardwise.placement import Partial, Placement, Replicate, Shard
 from shardwise.redistribute.bound import coordinates, reducing_total
 from shardwise.redistribute.exchange import plan_exchange, reducible
-from shardwise.redistribute.pending import drop, insert, kept_axes, rest_axes, sub_groups
+from shardwise.redistribute.pending import drop, insert, kept_axes, rest_axes, sub_groups, widen
 from shardwise.redistribute.reduce_forward import forwardable, plan_reduce_forward
 from shardwise.spec import local_shape_and_offset
 
@@ -248,10 +248,18 @@ def _kept_plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst:
     held = tuple(src[a] for a in kept)
     sub = _plan(shape, itemsize, drop(mesh_shape, kept), drop(src, kept), drop(dst, kept),
                 sub_groups(flattened, kept, len(mesh_shape)))
-    return tuple(Step(rest[s.axis], s.src, s.dst, s.collective, s.bytes_per_rank,
-                      tuple(rest[a] for a in s.flattened), insert(s.target, kept, held) if s.target else (),
-                      s.rounds, kept if s.target else ())
-                 for s in sub.steps)
+    steps = []
+    for s in sub.steps:
+        group: tuple[int, ...] | None = tuple(rest[a] for a in s.flattened)
+        if group and s.target:  # an all_to_all: may run on a group that spans the kept axes
+            group = widen(group, flattened, kept, mesh_shape)
+        elif group and group not in flattened:  # a reduction over the other axes only
+            group = None
+        if group is None:
+            return None
+        steps.append(Step(group[0] if group else rest[s.axis], s.src, s.dst, s.collective, s.bytes_per_rank, group,
+                          insert(s.target, kept, held) if s.target else (), s.rounds, kept if s.target else ()))
+    return tuple(steps)
 
 
 def _exchange_routes(ctx: "_Context", src: Layout, dst: Layout, paths: dict) -> list[tuple[Step, ...]]:
