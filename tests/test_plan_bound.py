@@ -17,6 +17,7 @@ from shardwise import Partial, Replicate, Shard
 from shardwise.redistribute import plan_redistribute
 from shardwise.redistribute.bound import blocks, coordinates, lower_bound, needs_value, reducing_total
 from shardwise.redistribute.exchange import plan_exchange
+from shardwise.redistribute.pending import drop, kept_axes, sub_groups
 from shardwise.redistribute.reduce_forward import forwardable, plan_reduce_forward
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
@@ -67,6 +68,18 @@ def test_plans_from_partial_sources_never_beat_the_bound(case):
     if any(s.rounds for s in plan.steps):  # reduce-forward: the least total of a full reduction
         assert plan.total_bytes == reducing_total(shape, mesh_shape, src, dst) * F32, str(plan)
     kept = any(p.is_partial() and p == q for p, q in zip(src, dst))
+    axes = kept_axes(mesh_shape, src, dst)
+    if axes:  # keeping them pending is weighed: the plan is no worse than the lifted sub-plan
+        sub = plan_redistribute(shape, F32, drop(mesh_shape, axes), drop(src, axes), drop(dst, axes),
+                                sub_groups(_all_groups(mesh_shape), axes, len(mesh_shape)))
+        copies = math.prod(mesh_shape[a] for a in axes)
+        exact = "all_reduce" not in plan.collectives + sub.collectives  # else compared at its exact figure
+        assert not exact or plan.total_bytes <= copies * sub.total_bytes or plan.busiest_bytes < sub.busiest_bytes, (
+            f"{plan}: {plan.sends} vs kept {sub}: {sub.sends}")
+        if not any(p.is_partial() and m > 1 for p, m in zip(drop(src, axes), drop(mesh_shape, axes))):
+            # nothing left to reduce: the kept sub-plan meets the keep-pending total bound
+            assert copies * sub.total_bytes == copies * lower_bound(
+                shape, F32, drop(mesh_shape, axes), drop(src, axes), drop(dst, axes)).total, str(sub)
     if not forwardable(mesh_shape, src, dst):  # its Partial axes all have one rank
         return
     forward = plan_reduce_forward(shape, mesh_shape, src, dst)
@@ -294,4 +307,50 @@ def test_reduce_forward_steps_on_real_ranks(dist):
     for key in out[0]:
         placed, full, want, _, _, plan = out[0][key]
         assert placed and torch.allclose(full, want), f"{key}: wrong values ({plan})"
+        assert [o[key][3] for o in out] == [o[key][4] for o in out], f"{key}: bytes differ from the plan ({plan})"
+
+
+def _kept(cases):
+    """Run, on this rank, transitions whose plan keeps a Partial axis pending, from seeded
+    contributions. Returns per transition: placements right, the full tensor, the value, the
+    bytes this rank sent and the plan's figure for it, the plan."""
+    import shardwise as sw
+    from shardwise.debug import CommDebugMode
+    from shardwise.redistribute.execute import flattened_groups
+    from shardwise.spec import local_shape_and_offset
+
+    results = {}
+    for mesh_shape, shape, src, dst in cases:
+        mesh = sw.init_device_mesh("cpu", mesh_shape)
+        flattened = flattened_groups(mesh)
+        coordinate = tuple(mesh.get_coordinate())
+        me = coordinates(mesh_shape).index(coordinate)
+        partial_axes = [a for a, p in enumerate(src) if p.is_partial()]
+        gen = torch.Generator().manual_seed(2)
+        contributions = {k: torch.randint(-9, 9, shape, generator=gen).float()
+                         for k in itertools.product(*(range(mesh_shape[a]) for a in partial_axes))}
+        size, offset = local_shape_and_offset(shape, mesh_shape, coordinate, src)
+        mine = contributions[tuple(coordinate[a] for a in partial_axes)]
+        local = mine[tuple(slice(o, o + n) for o, n in zip(offset, size))].contiguous()
+        start = sw.DTensor.from_local(local, mesh, src, shape=shape, stride=torch.empty(shape).stride())
+        with CommDebugMode() as comms:
+            out = start.redistribute(mesh, dst)
+        plan = plan_redistribute(shape, F32, mesh_shape, src, dst, flattened)
+        results[(shape, src, dst)] = (out.placements == dst, out.full_tensor(), sum(contributions.values()),
+                                      sum(r.bytes_sent for r in comms.records), plan.sends[me], plan)
+    return results
+
+
+def test_kept_pending_steps_on_real_ranks(dist):
+    # Each rank keeps its own contribution on the kept axis; the other axis is re-laid by one
+    # all_to_all per slice (a Partial target off coordinate 0 of its axis sends, holds zeros).
+    cases = [((2, 2), (8, 8), (S0, P), (P, P)), ((2, 2), (7, 5), (S1, P), (P, P)),
+             ((2, 2), (7, 5), (P, S0), (P, P))]
+    out = dist.run(4, _kept, cases, timeout=120)
+    for key in out[0]:
+        placed, full, want, _, _, plan = out[0][key]
+        assert any(s.kept for s in plan.steps), f"{key}: not kept pending ({plan})"
+        bound = lower_bound(key[0], F32, (2, 2), key[1], key[2])
+        assert (plan.total_bytes, plan.busiest_bytes) == (bound.total, bound.busiest), f"{key}: {plan}"
+        assert placed and torch.equal(full, want), f"{key}: wrong values ({plan})"
         assert [o[key][3] for o in out] == [o[key][4] for o in out], f"{key}: bytes differ from the plan ({plan})"

@@ -77,13 +77,17 @@ Partial sources (pending reductions)
     and then improves by local search, without a proof of optimality, and the planner takes it
     only when its busiest rank sends no more than the axis-by-axis plan's (so some plans keep a
     total above ``total``). Figures, every flattened group available, Partial(sum) sources,
-    every target over {R, S0, S1, P}: the plan's total is above ``total`` on (2, 2) 8x8 in 4 of
-    112 transitions (before reduce-forward: 8), on (2, 2, 2) 8x8 in 359 of 2368 (before: 758),
-    7x5 in 361 (before: 783); of those, 4, 240 and 240 are transitions where keeping a
-    reduction pending is cheaper (Partial targets, below), which no plan step does without
-    reducing yet. The busiest rank is above ``busiest`` on (2, 2) 8x8 in 0 (before: 10),
-    (2, 2) 7x5 in 16 (before: 31), (2, 2, 2) 8x8 in 562 (before: 834), 7x5 in 963 (before:
-    1423); some of these, like the example, are forced.
+    every target over {R, S0, S1, P} other than the source: the plan's total is above
+    ``total`` on (2, 2) 8x8 in 0 of 105 transitions (before keeping reductions pending: 4;
+    before reduce-forward: 8), 7x5 in 1 (before: 5), on (2, 2, 2) 8x8 in 115 of 2331 (before:
+    359; before reduce-forward: 758), 7x5 in 122 (before: 361; 783). Of those, the
+    transitions where keeping a reduction pending is cheaper in all (Partial targets, below)
+    were 4, 4, 240 and 240; they are 0, 0, 12 and 12 now: there the kept plan's busiest rank
+    sends more than the reduce-forward plan's (e.g. (2, 2, 2) 8x8, (R, S0, P) -> (R, P, P):
+    kept 512 B in all, 128 B busiest; reduce-forward 640 B, 88 B), and the planner does not
+    trade the busiest rank for the total. The busiest rank is above ``busiest`` on (2, 2) 8x8
+    in 0 (before reduce-forward: 10), (2, 2) 7x5 in 12 (before keeping: 16; 31), (2, 2, 2) 8x8
+    in 466 (562; 834), 7x5 in 726 (963; 1423); some of these, like the example, are forced.
 
 Partial targets
     A Partial target holds the value on the ranks at coordinate 0 of its Partial axes and the
@@ -97,7 +101,9 @@ Partial targets
     above, the target canonical): a schedule that reduces fewer elements can move less data
     than one that reduces them all, and the reverse (a reduced value is needed only at
     coordinate 0). The bound is the smaller of the two accountings, each figure separately;
-    a schedule mixing them element by element is not proven to stay above it.
+    a schedule mixing them element by element is not proven to stay above it. The planner's
+    kept plans (``pending.py``) follow the first accounting: the sub-plan over the other axes,
+    run in every slice; where the other axes hold no Partial source they meet its total.
 """
 
 from __future__ import annotations

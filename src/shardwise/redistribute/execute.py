@@ -21,6 +21,7 @@ from shardwise.placement import Placement, Replicate, Shard
 from shardwise.redistribute.bound import coordinates, intersect, needs_value, volume
 from shardwise.redistribute.cross_mesh import plan_cross_mesh
 from shardwise.redistribute.exchange import plan_exchange
+from shardwise.redistribute.pending import drop, lift_transfers
 from shardwise.redistribute.reduce_forward import plan_reduce_forward
 from shardwise.redistribute.plan import Plan, Step, StepKind, plan_redistribute
 from shardwise.spec import DTensorSpec, local_shape_and_offset
@@ -183,17 +184,19 @@ def _run_exchange(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tu
     the schedule gives it, build this rank's target block from what it keeps and receives."""
     mesh = spec.mesh
     shape, mesh_shape = tuple(spec.shape), tuple(mesh.shape)
-    ex = plan_exchange(shape, mesh_shape, layout, step.target)
+    kept = step.kept  # axes whose reduction stays pending: the schedule runs in each slice
+    sub_layout, sub_target = drop(layout, kept), drop(step.target, kept)
+    ex = plan_exchange(shape, drop(mesh_shape, kept), sub_layout, sub_target)
     group = _Group(mesh, step.axes)
     me, coords, size, peer = group.me, group.coords, group.size, group.peer
-    in_group = group.mine(ex.transfers)
+    in_group = group.mine(lift_transfers(ex.transfers, mesh_shape, kept, coords[me]))
     src_offset = local_shape_and_offset(shape, mesh_shape, coords[me], layout)[1]
     dst_shape, dst_offset = local_shape_and_offset(shape, mesh_shape, coords[me], step.target)
     out = local.new_empty(dst_shape)
     own = intersect((src_offset, tuple(local.shape)), (dst_offset, dst_shape))
-    reducing = any(p.is_partial() for p in layout)  # Partial(sum): add every contribution
-    if not needs_value(step.target, coords[me]):  # it still sends what it holds
-        out, own = _identity(out, step.target), None
+    reducing = any(p.is_partial() for p in sub_layout)  # Partial(sum): add every contribution
+    if not needs_value(sub_target, drop(coords[me], kept)):  # it still sends what it holds
+        out, own = _identity(out, sub_target), None
     if reducing:
         out.zero_()
     if own is not None:
@@ -276,15 +279,18 @@ def _run_reduce_forward(local: torch.Tensor, step: Step, spec: DTensorSpec, layo
     """Round 1: contributions go to each run's first owner, which reduces them with its own;
     round 2: first owners send the values to the other ranks that need them (``reduce_forward``)."""
     shape, mesh_shape = tuple(spec.shape), tuple(spec.mesh.shape)
-    rf = plan_reduce_forward(shape, mesh_shape, layout, step.target)
+    kept = step.kept  # axes whose reduction stays pending: the schedule runs in each slice
+    sub_target = drop(step.target, kept)
+    rf = plan_reduce_forward(shape, drop(mesh_shape, kept), drop(layout, kept), sub_target)
     group = _Group(spec.mesh, step.axes)
     me = group.me
-    src_offset = local_shape_and_offset(shape, mesh_shape, group.coords[me], layout)[1]
-    dst_shape, dst_offset = local_shape_and_offset(shape, mesh_shape, group.coords[me], step.target)
+    here = group.coords[me]
+    src_offset = local_shape_and_offset(shape, mesh_shape, here, layout)[1]
+    dst_shape, dst_offset = local_shape_and_offset(shape, mesh_shape, here, step.target)
     out = local.new_empty(dst_shape)
-    wants_value = needs_value(step.target, group.coords[me])
+    wants_value = needs_value(sub_target, drop(here, kept))
     if not wants_value:
-        out = _identity(out, step.target)
+        out = _identity(out, sub_target)
 
     flat_cells: dict = {}  # box -> this rank's contribution to it, flat (one copy per cell)
 
@@ -296,7 +302,7 @@ def _run_reduce_forward(local: torch.Tensor, step: Step, spec: DTensorSpec, layo
     def held(t) -> torch.Tensor:  # this rank's contribution to the run of ``t``
         return cell(t.box)[t.start:t.stop]
 
-    first = group.mine(rf.first)
+    first = group.mine(lift_transfers(rf.first, mesh_shape, kept, here))
     got = group.exchange(local, first, held)
     gathered: dict = {}  # (box, start) -> [stop, contributions]
     for t in first:
@@ -309,7 +315,7 @@ def _run_reduce_forward(local: torch.Tensor, step: Step, spec: DTensorSpec, layo
     for (box, start), (stop, runs) in gathered.items():
         own = [] if len(runs) == rf.n else [cell(box)[start:stop]]
         values[(box, start)] = _reduce(torch.stack(own + runs), rf.op, rf.n)
-    second = group.mine(rf.second)
+    second = group.mine(lift_transfers(rf.second, mesh_shape, kept, here))
     got = group.exchange(local, second, lambda t: values[(t.box, t.start)])
     if got is not None:
         for t, run in group.arrived(second, *got):

@@ -32,6 +32,12 @@ fewer bytes over all ranks than the best plan above, or as many, and never when 
 rank would send more. ``bound.py`` defines the lower bounds these plans are held to: without a
 Partial source the chosen plan meets the total and the one-round busiest-rank bound whenever
 the group exists; with one it may not (bound.py says where and why).
+
+An axis Partial in both layouts with the same op (the only op of either) may also stay
+pending (``pending.py``): each rank keeps its own contribution there, and the other axes are
+planned as a transition of their own, run side by side in every slice of the kept axes
+(exchange and reduce-forward steps carry ``kept``). It is taken on the same terms as
+reduce-forward: fewer bytes in all than the best plan above, never more for the busiest rank.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from typing import Sequence
 from shardwise.placement import Partial, Placement, Replicate, Shard
 from shardwise.redistribute.bound import coordinates, reducing_total
 from shardwise.redistribute.exchange import plan_exchange, reducible
+from shardwise.redistribute.pending import drop, insert, kept_axes, rest_axes, sub_groups, widen
 from shardwise.redistribute.reduce_forward import forwardable, plan_reduce_forward
 from shardwise.spec import local_shape_and_offset
 
@@ -83,6 +90,9 @@ class Step:
     re-lays several axes at once by one all_to_all over ``axes``' (flattened) group. A
     reduce-forward step (``reduce_forward.py``) is an exchange of two all_to_alls, ``rounds``
     the busiest rank's bytes in each (a round where no rank sends is skipped); otherwise empty.
+    ``kept``: mesh axes Partial before and after whose reduction stays pending (``pending.py``);
+    an exchange or reduce-forward step then runs its schedule over the mesh without them, in
+    every slice at once (each rank keeps its own contribution on them).
     """
 
     axis: int
@@ -93,6 +103,7 @@ class Step:
     flattened: tuple[int, ...] = ()
     target: Layout = ()
     rounds: tuple[int, ...] = ()
+    kept: tuple[int, ...] = ()
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -110,6 +121,8 @@ class Step:
 
     def __str__(self) -> str:
         where = f"axes {'+'.join(map(str, self.flattened))}" if self.flattened else f"axis {self.axis}"
+        if self.kept:
+            where += f" (axes {'+'.join(map(str, self.kept))} kept pending)"
         if self.rounds:
             return f"{where}: reduce at consumers, then forward, to ({','.join(map(str, self.target))}) by 2 all_to_all ({'+'.join(map(str, self.rounds))} B)"
         if self.target:
@@ -216,7 +229,37 @@ def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layo
         candidate = ctx.score(src, (forward,))
         if candidate < score and candidate[1] <= score[1]:
             best, score = (forward,), candidate
+    pending = _kept_plan(shape, itemsize, mesh_shape, src, dst, flattened)
+    if pending is not None:  # taken when fewer bytes in all and no more for the busiest rank
+        candidate = ctx.score(src, pending)
+        if candidate < score and candidate[1] <= score[1]:
+            best, score = pending, candidate
     return ctx.priced(src, best)
+
+
+def _kept_plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layout,
+               flattened: tuple) -> tuple[Step, ...] | None:
+    """The plan that keeps the reductions of ``pending.kept_axes`` pending: the sub-plan over
+    the other axes, its steps lifted to the full mesh (None when no axis may be kept)."""
+    kept = kept_axes(mesh_shape, src, dst)
+    if not kept:
+        return None
+    rest = rest_axes(len(mesh_shape), kept)
+    held = tuple(src[a] for a in kept)
+    sub = _plan(shape, itemsize, drop(mesh_shape, kept), drop(src, kept), drop(dst, kept),
+                sub_groups(flattened, kept, len(mesh_shape)))
+    steps = []
+    for s in sub.steps:
+        group: tuple[int, ...] | None = tuple(rest[a] for a in s.flattened)
+        if group and s.target:  # an all_to_all: may run on a group that spans the kept axes
+            group = widen(group, flattened, kept, mesh_shape)
+        elif group and group not in flattened:  # a reduction over the other axes only
+            group = None
+        if group is None:
+            return None
+        steps.append(Step(group[0] if group else rest[s.axis], s.src, s.dst, s.collective, s.bytes_per_rank, group,
+                          insert(s.target, kept, held) if s.target else (), s.rounds, kept if s.target else ()))
+    return tuple(steps)
 
 
 def _exchange_routes(ctx: "_Context", src: Layout, dst: Layout, paths: dict) -> list[tuple[Step, ...]]:
@@ -376,10 +419,8 @@ class _Context:
         coords = coordinates(self.mesh_shape)
         if step.collective in _FREE:
             return [0] * len(coords)
-        if step.rounds:
-            return [e * self.itemsize for e in plan_reduce_forward(self.shape, self.mesh_shape, layout, step.target).sends]
         if step.target:
-            return [e * self.itemsize for e in plan_exchange(self.shape, self.mesh_shape, layout, step.target).sends]
+            return [e * self.itemsize for e in self.schedule_sends(layout, step)]
         n = math.prod(self.mesh_shape[a] for a in step.axes)
         after = step.apply(layout)
         sends = []
@@ -395,6 +436,20 @@ class _Context:
             after_shape = local_shape_and_offset(self.shape, self.mesh_shape, c, after)[0]
             sends.append(self._sent(step.collective, n, before, after_shape) * self.itemsize)
         return sends
+
+    def schedule_sends(self, layout: Layout, step: Step) -> list[int]:
+        """Elements each rank sends in an exchange or reduce-forward step; with kept axes, the
+        schedule over the other axes, every slice sending the same."""
+        kept = step.kept
+        mesh_shape, layout_s, target = drop(self.mesh_shape, kept), drop(layout, kept), drop(step.target, kept)
+        if step.rounds:
+            sends = plan_reduce_forward(self.shape, mesh_shape, layout_s, target).sends
+        else:
+            sends = plan_exchange(self.shape, mesh_shape, layout_s, target).sends
+        if not kept:
+            return list(sends)
+        index = {c: i for i, c in enumerate(coordinates(mesh_shape))}
+        return [sends[index[drop(c, kept)]] for c in coordinates(self.mesh_shape)]
 
     def merged_reductions(self, layout: Layout) -> list[Step]:
         """Partial -> Replicate on every axis of a flattened group at once (one all_reduce).
