@@ -91,8 +91,9 @@ class Step:
     reduce-forward step (``reduce_forward.py``) is an exchange of two all_to_alls, ``rounds``
     the busiest rank's bytes in each (a round where no rank sends is skipped); otherwise empty.
     ``kept``: mesh axes Partial before and after whose reduction stays pending (``pending.py``);
-    an exchange or reduce-forward step then runs its schedule over the mesh without them, in
-    every slice at once (each rank keeps its own contribution on them).
+    an exchange step then runs its schedule over the mesh without them, in every slice at once
+    (each rank keeps its own contribution on them). The executor can run a reduce-forward step
+    that way too, but the planner does not offer one yet (``_kept_plan``).
     """
 
     axis: int
@@ -248,6 +249,8 @@ def _kept_plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst:
     held = tuple(src[a] for a in kept)
     sub = _plan(shape, itemsize, drop(mesh_shape, kept), drop(src, kept), drop(dst, kept),
                 sub_groups(flattened, kept, len(mesh_shape)))
+    if any(s.rounds for s in sub.steps):  # a kept reduce-forward: no transition of up to 3 axes
+        return None  # picks one, so it has never run on real ranks; not offered until it has
     steps = []
     for s in sub.steps:
         group: tuple[int, ...] | None = tuple(rest[a] for a in s.flattened)
