@@ -455,3 +455,33 @@ def test_overlap_pass_issues_early_and_waits_late():
     assert [n.name for n in g.nodes] == ["x", "w", "a", "c1", "b", "d", "w1", "e", "c2", "f", "w2", "output"]
     assert before.counts == after.counts == {"all_reduce": 2}
     assert before.overlap == [0, 0] and after.overlap == [2, 1]
+
+
+_LAZY_DYNAMO_PROGRAM = """
+import inspect, sys
+import shardwise, shardwise.fsdp.state, shardwise.parallel.loss
+assert "torch._dynamo" not in sys.modules, "import shardwise imported torch._dynamo"
+import shardwise.dtensor as d
+eager_from_local = d._from_local
+import torch._dynamo
+from torch._dynamo import trace_rules
+from torch._dynamo.eval_frame import innermost_fn
+assert d._from_local is not eager_from_local and trace_rules.is_nonstrict_trace_callable(d._from_local)
+hooks = [shardwise.fsdp.state.FSDPState._pre_forward, shardwise.parallel.loss._LossParallel.__enter__]
+for hook in hooks:
+    assert inspect.getattr_static(hook, "_torchdynamo_disable", False), hook
+    assert innermost_fn(hook) is not hook, hook
+print("ok")
+"""
+
+
+def test_import_leaves_dynamo_unloaded_and_marks_when_it_loads():
+    """``import shardwise`` does not import torch._dynamo (seconds of every process start);
+    the Dynamo markings (shardwise/compile.py) are in place as soon as it is imported."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _LAZY_DYNAMO_PROGRAM], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -18,14 +18,25 @@ How a compiled DTensor program is built (the README's "Compiling" section has th
 Checks that need the data of several ranks (``from_local(run_check=True)``, the settling of
 noted blocks, parallel styles' replicated-input check) run in eager only: under tracing there
 is no data to compare. Run one step eagerly first to have them.
+
+The Dynamo markings are applied lazily: ``import shardwise`` does not import torch._dynamo
+(about half of its import time, and plain ``import torch`` does not pay it). The decorators
+below record what they mark; the first import of torch._dynamo (by ``torch.compile``, or
+anything else) applies the markings right after Dynamo's package has loaded, before it can
+trace any frame (``_DynamoImportHook``). If torch._dynamo is already loaded when shardwise is
+imported, the decorators mark at once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+from types import CodeType, ModuleType
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
-import torch._dynamo
 import torch.utils._pytree as pytree
 
 from shardwise.mesh import DeviceMesh
@@ -43,8 +54,19 @@ def tracing() -> bool:
 
 
 def opaque(fn: F) -> F:
-    """``fn`` as one call in a Dynamo graph, traced by AOTAutograd rather than by Dynamo."""
-    return torch._dynamo.nonstrict_trace(fn)
+    """``fn`` as one call in a Dynamo graph, traced by AOTAutograd rather than by Dynamo.
+
+    ``fn`` must be a module-level function, called through its module's global name: the
+    Dynamo-marked callable (``torch._dynamo.nonstrict_trace``) replaces that global once
+    torch._dynamo loads. Until then no frame can be compiled, and eager calls go straight
+    to ``fn``."""
+    if fn.__qualname__ != fn.__name__:
+        raise TypeError(f"opaque({fn.__qualname__}): only a module-level function can be marked opaque "
+                        "(its module's global name is rebound to the Dynamo-marked function)")
+    if _LAZY.ready:
+        return _nonstrict(fn)
+    _LAZY.opaque.append(fn)
+    return fn
 
 
 # What crosses into an opaque call must be a tensor, a primitive, a container of those, or an
@@ -103,13 +125,30 @@ def _unpack_placement(packed: tuple) -> Placement | None:
     return Replicate()
 
 
+_EAGER_ONLY_REASON = "shardwise data-parallel hook: runs eagerly at block boundaries"
+
+
 def eager_only(fn: F) -> F:
     """``fn`` always runs eagerly, never traced: a compiled module calls it between graphs.
 
     For hooks that manage memory and issue their own collectives at module boundaries
     (``fully_shard``, ``replicate``): the block's compute between them is one graph, as when
-    torch compiles each block of an FSDP2 model."""
-    return torch._dynamo.disable(fn, reason="shardwise data-parallel hook: runs eagerly at block boundaries")
+    torch compiles each block of an FSDP2 model.
+
+    Before torch._dynamo loads, a thin forwarder to ``fn`` (hooks may be registered, as bound
+    methods, before the program is compiled); when it loads, the forwarder calls
+    ``torch._dynamo.disable(fn)`` instead and carries its marks, so Dynamo treats the
+    forwarder exactly as the disabled function."""
+    if _LAZY.ready:
+        return _disabled(fn)
+    impl: list[Callable] = [fn]
+
+    @functools.wraps(fn)
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        return impl[0](*args, **kwargs)
+
+    _LAZY.eager_only.append((eager, impl))
+    return eager  # type: ignore[return-value]
 
 
 def never_compiled(fn: F) -> F:
@@ -119,8 +158,94 @@ def never_compiled(fn: F) -> F:
     ``__torch_dispatch__``), but eager code that a compiled program calls back into (hooks,
     autograd functions run between graphs) would otherwise have Dynamo compile and recompile
     its frames per op."""
-    torch._dynamo.eval_frame.skip_code(fn.__code__)
+    if _LAZY.ready:
+        _skip(fn.__code__)
+    else:
+        _LAZY.skipped.append(fn.__code__)
     return fn
+
+
+# ---------------------------------------------------------------------- lazy Dynamo markings
+def _nonstrict(fn: Callable) -> Callable:
+    import torch._dynamo
+
+    return torch._dynamo.nonstrict_trace(fn)
+
+
+def _disabled(fn: Callable) -> Callable:
+    import torch._dynamo
+
+    return torch._dynamo.disable(fn, reason=_EAGER_ONLY_REASON)
+
+
+def _skip(code: CodeType) -> None:
+    import torch._dynamo.eval_frame
+
+    torch._dynamo.eval_frame.skip_code(code)
+
+
+# What ``torch._dynamo.disable`` sets on its wrapper, and Dynamo reads to skip a callable.
+_DISABLE_MARKS: Sequence[str] = ("_torchdynamo_disable", "_torchdynamo_disable_msg",
+                                 "_torchdynamo_orig_callable", "_torchdynamo_disable_recursive")
+
+
+class _Pending:
+    """The markings recorded before torch._dynamo loaded, and whether it has."""
+
+    def __init__(self) -> None:
+        self.ready = "torch._dynamo" in sys.modules
+        self.opaque: list[Callable] = []
+        self.skipped: list[CodeType] = []
+        self.eager_only: list[tuple[Callable, list[Callable]]] = []
+
+    def apply(self) -> None:
+        """Mark everything recorded (once torch._dynamo's package has loaded)."""
+        self.ready = True
+        for code in self.skipped:
+            _skip(code)
+        for fn in self.opaque:
+            module = sys.modules[fn.__module__]
+            if getattr(module, fn.__name__, None) is not fn:
+                raise RuntimeError(f"opaque({fn.__module__}.{fn.__name__}): its module's global no longer "
+                                   "names it, so the Dynamo-marked function cannot replace it")
+            setattr(module, fn.__name__, _nonstrict(fn))
+        for eager, impl in self.eager_only:
+            disabled = _disabled(impl[0])
+            for mark in _DISABLE_MARKS:
+                setattr(eager, mark, getattr(disabled, mark))
+            eager._torchdynamo_wrapper_id = id(eager)  # type: ignore[attr-defined]
+            impl[0] = disabled
+        if self.eager_only:  # the forwarder's own frame, run between graphs, is not compiled either
+            _skip(self.eager_only[0][0].__code__)
+        self.opaque, self.skipped, self.eager_only = [], [], []
+
+
+_LAZY = _Pending()
+
+
+class _DynamoImportHook(importlib.abc.MetaPathFinder):
+    """Applies the recorded markings right after torch._dynamo's package executes: before
+    any ``torch.compile`` can trace a frame, whoever imports it."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        if fullname != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_then_mark(module: ModuleType) -> None:
+            execute(module)
+            _LAZY.apply()
+
+        spec.loader.exec_module = exec_then_mark  # type: ignore[method-assign]
+        return spec
+
+
+if not _LAZY.ready:
+    sys.meta_path.insert(0, _DynamoImportHook())
 
 
 _REGISTERED = False
