@@ -8,9 +8,10 @@ whole pytest session and shut down at the end.
 Workers come from a multiprocessing "forkserver" that has imported torch once, so a
 pool costs a fork per rank instead of a fresh interpreter importing torch: a 4-rank
 pool took ~7 CPU-seconds to start, now ~1 (plus one torch import for the server).
-The server also imports shardwise and the trainer (``_FORKSERVER_PRELOAD``): ``import
-shardwise`` pulls in torch._dynamo, ~2 CPU-seconds that every worker of every pool
-(re)started in a session would otherwise pay on its first task.
+The server also imports shardwise and the trainer (``_FORKSERVER_PRELOAD``), CPU-seconds
+that every worker of every pool (re)started in a session would otherwise pay on its first
+task. It does not import torch._dynamo (nor does ``import shardwise``): workers that compile
+import it themselves, so the compile tests exercise shardwise's lazy Dynamo markings.
 ``SHARDWISE_TEST_START_METHOD=spawn`` gives every worker a fresh interpreter instead.
 
 Usage from a test (``dist`` is the session-scoped fixture from ``tests/conftest.py``)::
