@@ -253,6 +253,31 @@ def _overlap(a, b):
     return None
 
 
+def _redistribute_contributions(mesh, shape, src, dst, seed):
+    """On this rank: a DTensor of layout ``src`` built from seeded contributions (every rank
+    builds the same ones; one per coordinate of the Partial axes), redistributed to ``dst``.
+    Returns the contributions, the result, the bytes this rank sent and the plan."""
+    import shardwise as sw
+    from shardwise.debug import CommDebugMode
+    from shardwise.redistribute.execute import flattened_groups
+    from shardwise.spec import local_shape_and_offset
+
+    mesh_shape = tuple(mesh.shape)
+    coordinate = tuple(mesh.get_coordinate())
+    partial_axes = [a for a, p in enumerate(src) if p.is_partial()]
+    gen = torch.Generator().manual_seed(seed)
+    contributions = {k: torch.randint(-9, 9, shape, generator=gen).float()
+                     for k in itertools.product(*(range(mesh_shape[a]) for a in partial_axes))}
+    size, offset = local_shape_and_offset(shape, mesh_shape, coordinate, src)
+    mine = contributions[tuple(coordinate[a] for a in partial_axes)]
+    local = mine[tuple(slice(o, o + n) for o, n in zip(offset, size))].contiguous()
+    start = sw.DTensor.from_local(local, mesh, src, shape=shape, stride=torch.empty(shape).stride())
+    with CommDebugMode() as comms:
+        out = start.redistribute(mesh, dst)
+    plan = plan_redistribute(shape, F32, mesh_shape, src, dst, flattened_groups(mesh))
+    return contributions, out, sum(r.bytes_sent for r in comms.records), plan
+
+
 def _forwarded(cases):
     """Run, on this rank, Partial-source transitions whose plan is a reduce-forward step, from
     random contributions (seeded: every rank builds the same ones). Returns per transition the
@@ -260,9 +285,7 @@ def _forwarded(cases):
     import random
 
     import shardwise as sw
-    from shardwise.debug import CommDebugMode
     from shardwise.redistribute.execute import flattened_groups
-    from shardwise.spec import local_shape_and_offset
 
     results = {}
     for mesh_shape, shape, ops, limit in cases:
@@ -279,23 +302,12 @@ def _forwarded(cases):
         forwarded = (pair for pair in pairs
                      if any(st.rounds for st in plan_redistribute(shape, F32, mesh_shape, *pair, flattened).steps))
         for src, dst in itertools.islice(forwarded, limit):
-            partial_axes = [a for a, p in enumerate(src) if p.is_partial()]
-            gen = torch.Generator().manual_seed(1)
-            contributions = {k: torch.randint(-9, 9, shape, generator=gen).float()
-                             for k in itertools.product(*(range(mesh_shape[a]) for a in partial_axes))}
+            contributions, out, sent, plan = _redistribute_contributions(mesh, shape, src, dst, seed=1)
             stacked = torch.stack(list(contributions.values()))
             op = next(p.reduce_op for p in src if p.is_partial())
             want = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[op]
-            size, offset = local_shape_and_offset(shape, mesh_shape, coordinate, src)
-            mine = contributions[tuple(coordinate[a] for a in partial_axes)]
-            local = mine[tuple(slice(o, o + n) for o, n in zip(offset, size))].contiguous()
-            start = sw.DTensor.from_local(local, mesh, src, shape=shape, stride=torch.empty(shape).stride())
-            with CommDebugMode() as comms:
-                out = start.redistribute(mesh, dst)
-            plan = plan_redistribute(shape, F32, mesh_shape, src, dst, flattened)
             results[(mesh_shape, shape, src, dst)] = (
-                out.placements == dst, out.full_tensor(), want,
-                sum(r.bytes_sent for r in comms.records), plan.sends[me], str(plan))
+                out.placements == dst, out.full_tensor(), want, sent, plan.sends[me], str(plan))
     return results
 
 
@@ -315,29 +327,14 @@ def _kept(cases):
     contributions. Returns per transition: placements right, the full tensor, the value, the
     bytes this rank sent and the plan's figure for it, the plan."""
     import shardwise as sw
-    from shardwise.debug import CommDebugMode
-    from shardwise.redistribute.execute import flattened_groups
-    from shardwise.spec import local_shape_and_offset
 
     results = {}
     for mesh_shape, shape, src, dst in cases:
         mesh = sw.init_device_mesh("cpu", mesh_shape)
-        flattened = flattened_groups(mesh)
-        coordinate = tuple(mesh.get_coordinate())
-        me = coordinates(mesh_shape).index(coordinate)
-        partial_axes = [a for a, p in enumerate(src) if p.is_partial()]
-        gen = torch.Generator().manual_seed(2)
-        contributions = {k: torch.randint(-9, 9, shape, generator=gen).float()
-                         for k in itertools.product(*(range(mesh_shape[a]) for a in partial_axes))}
-        size, offset = local_shape_and_offset(shape, mesh_shape, coordinate, src)
-        mine = contributions[tuple(coordinate[a] for a in partial_axes)]
-        local = mine[tuple(slice(o, o + n) for o, n in zip(offset, size))].contiguous()
-        start = sw.DTensor.from_local(local, mesh, src, shape=shape, stride=torch.empty(shape).stride())
-        with CommDebugMode() as comms:
-            out = start.redistribute(mesh, dst)
-        plan = plan_redistribute(shape, F32, mesh_shape, src, dst, flattened)
+        me = coordinates(mesh_shape).index(tuple(mesh.get_coordinate()))
+        contributions, out, sent, plan = _redistribute_contributions(mesh, shape, src, dst, seed=2)
         results[(shape, src, dst)] = (out.placements == dst, out.full_tensor(), sum(contributions.values()),
-                                      sum(r.bytes_sent for r in comms.records), plan.sends[me], plan)
+                                      sent, plan.sends[me], plan)
     return results
 
 
