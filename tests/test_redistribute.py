@@ -33,8 +33,9 @@ def _covering_pairs(mesh_shape, shape):
     """Few pairs that together take every step of every pair's plan (greedy set cover).
 
     A pair's features: its source, its target, and each step of its plan with the layout it
-    starts from (what the executor's block sizes and groups depend on), planned both without
-    flattened groups and with the whole world's (merged Partial reductions).
+    starts from (what the executor's block sizes and groups depend on; a reduce-forward step
+    counts once per layout it starts from), planned both without flattened groups and with the
+    whole world's (merged Partial reductions).
     """
     pairs = _all_pairs(mesh_shape)
     features = []
@@ -43,7 +44,9 @@ def _covering_pairs(mesh_shape, shape):
         for flattened in ((), (tuple(range(len(mesh_shape))),)):
             layout = tuple(src)
             for step in plan_redistribute(shape, 8, mesh_shape, src, dst, flattened).steps:
-                feats.add((layout, step))
+                # A reduce-forward step's schedule is unique to its pair; its values are
+                # replayed for every pair in tests/test_plan_bound.py, so here one per source.
+                feats.add((layout, "reduce_forward") if step.rounds else (layout, step))
                 layout = step.apply(layout)
         features.append(feats)
     chosen, covered = [], set()
