@@ -315,6 +315,12 @@ def _finish_avg(t: torch.Tensor, op: str, n: int) -> torch.Tensor:
     return t.div_(n) if t.is_floating_point() or t.is_complex() else t.floor_divide_(n)
 
 
+def reduce_stacked(stacked: torch.Tensor, op: str, n: int) -> torch.Tensor:
+    """The ``op`` reduction of ``n`` contributions stacked on dim 0, as a collective with
+    ``op`` computes it (for executors that gather contributions by all_to_all)."""
+    return _finish_avg(_LOCAL_REDUCE[op](stacked), op, n)
+
+
 def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` with ``dim`` moved first and made contiguous, so pieces along it are flat runs."""
     return t.movedim(dim, 0).contiguous()

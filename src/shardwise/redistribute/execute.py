@@ -314,7 +314,7 @@ def _run_reduce_forward(local: torch.Tensor, step: Step, spec: DTensorSpec, layo
     values: dict = {}  # (box, start) -> reduced run, at its first owner
     for (box, start), (stop, runs) in gathered.items():
         own = [] if len(runs) == rf.n else [cell(box)[start:stop]]
-        values[(box, start)] = _reduce(torch.stack(own + runs), rf.op, rf.n)
+        values[(box, start)] = comm.reduce_stacked(torch.stack(own + runs), rf.op, rf.n)
     second = group.mine(lift_transfers(rf.second, mesh_shape, kept, here))
     got = group.exchange(local, second, lambda t: values[(t.box, t.start)])
     if got is not None:
@@ -330,19 +330,6 @@ def _run_reduce_forward(local: torch.Tensor, step: Step, spec: DTensorSpec, layo
         for box, flat in flats.items():
             _region(out, dst_offset, box).copy_(flat.view(box[1]))
     return out
-
-
-def _reduce(stacked: torch.Tensor, op: str, n: int) -> torch.Tensor:
-    """The ``op`` reduction of the ``n`` stacked contributions of a run."""
-    if op == "sum":
-        return stacked.sum(0)
-    if op == "avg":
-        return stacked.sum(0) / n if stacked.is_floating_point() else stacked.sum(0) // n
-    if op == "max":
-        return stacked.amax(0)
-    if op == "min":
-        return stacked.amin(0)
-    return stacked.prod(0)
 
 
 def _place(out, dst_offset, recv, incoming, peer, recv_counts, add: bool) -> None:
