@@ -8,7 +8,11 @@ How a compiled DTensor program is built (the README's "Compiling" section has th
 2. The layout conversions (``from_local``, ``to_local``, ``redistribute``, ``full_tensor``)
    are opaque to Dynamo (``opaque``): it records one call per conversion instead of tracing
    their Python, whose bookkeeping (noting blocks for later checks, building wrapper tensors)
-   it could not capture. Meshes, placements and specs pass into them as constants
+   it could not capture. Placements and specs pass into them as constants; a mesh is an
+   opaque reference (as torch's DeviceMesh): a graph input guarded by identity, which may
+   also be passed to a DTensor method that Dynamo records as a call (``.redistribute(mesh,
+   ...)``). While AOTAutograd traces, a mesh arrives wrapped in a fake script object, which
+   the marked conversions unwrap (``real``) before any shardwise code sees it
    (``register_constants``).
 3. AOTAutograd then traces everything, conversions included, through ``__torch_dispatch__``
    on fake blocks: the dispatcher decides every layout at trace time, and ``comm`` issues
@@ -38,6 +42,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
+from torch._library.fake_class_registry import FakeScriptObject
 
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Partial, Placement, Replicate, Shard
@@ -101,7 +106,7 @@ def unpack(packed: Packed) -> Any:
         return _unpack_placement(body)
     if kind == "placements":
         return tuple(_unpack_placement(p) for p in body)
-    return body
+    return real(body)
 
 
 def _pack_placement(p: Placement | None) -> tuple:
@@ -152,12 +157,14 @@ def eager_only(fn: F) -> F:
 
 
 def never_compiled(fn: F) -> F:
-    """Dynamo never compiles ``fn``'s own frame (no wrapper, nothing on the call path).
+    """Dynamo never compiles ``fn``'s frame nor the frames it calls (no wrapper, nothing on
+    the call path).
 
     For the dispatcher: it runs below Dynamo (AOTAutograd traces it through
     ``__torch_dispatch__``), but eager code that a compiled program calls back into (hooks,
     autograd functions run between graphs) would otherwise have Dynamo compile and recompile
-    its frames per op."""
+    its frames, and the op handlers they call, per op; and Dynamo may not read a mesh's
+    internals (an opaque reference), which the handlers do."""
     if _LAZY.ready:
         _skip(fn.__code__)
     else:
@@ -169,7 +176,11 @@ def never_compiled(fn: F) -> F:
 def _nonstrict(fn: Callable) -> Callable:
     import torch._dynamo
 
-    return torch._dynamo.nonstrict_trace(fn)
+    @functools.wraps(fn)
+    def with_real_meshes(*args: Any, **kwargs: Any) -> Any:
+        return fn(*(real(a) for a in args), **kwargs)
+
+    return torch._dynamo.nonstrict_trace(with_real_meshes)
 
 
 def _disabled(fn: Callable) -> Callable:
@@ -179,9 +190,11 @@ def _disabled(fn: Callable) -> Callable:
 
 
 def _skip(code: CodeType) -> None:
+    """Dynamo neither compiles ``code``'s frames nor any frame they call (recursive skip)."""
     import torch._dynamo.eval_frame
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
 
-    torch._dynamo.eval_frame.skip_code(code)
+    torch._dynamo.eval_frame.set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 # What ``torch._dynamo.disable`` sets on its wrapper, and Dynamo reads to skip a callable.
@@ -250,16 +263,37 @@ if not _LAZY.ready:
 
 _REGISTERED = False
 
+# What compiled code may read of a mesh: evaluated on the real mesh while tracing, the result
+# a constant of the graph.
+_MESH_MEMBERS: Sequence[str] = (
+    "device_type", "mesh_dim_names", "ndim", "shape", "size", "get_coordinate", "get_local_rank",
+    "get_rank", "axis_name", "__eq__", "__ne__", "__hash__",
+)
+
 
 def register_constants() -> None:
-    """Meshes, placements and specs are constants to a compiled program (hashable, compared
-    with ``==``), so they may be passed to ``opaque`` functions."""
+    """How compiled programs hold shardwise's objects.
+
+    Placements and specs are constants (hashable, compared with ``==``), so they may be passed
+    to ``opaque`` functions. A mesh is an opaque reference (as torch's own DeviceMesh): Dynamo
+    passes the object itself into graph calls, such as a ``DTensor.redistribute(mesh, ...)``
+    method call, guarded by identity; while AOTAutograd traces, it arrives wrapped in a fake
+    script object, which ``real`` unwraps."""
     global _REGISTERED
     if _REGISTERED:
         return
-    for cls in (DeviceMesh, Shard, Replicate, Partial, DTensorSpec, TensorMeta):
+    from torch._library.opaque_object import MemberType, register_opaque_type
+
+    for cls in (Shard, Replicate, Partial, DTensorSpec, TensorMeta):
         pytree.register_constant(cls)
+    register_opaque_type(DeviceMesh, typ="reference",
+                         members={name: MemberType.USE_REAL for name in _MESH_MEMBERS})
     _REGISTERED = True
+
+
+def real(value: Any) -> Any:
+    """``value``, or the mesh a tracer's fake script object stands for."""
+    return value.real_obj if type(value) is FakeScriptObject else value
 
 
 register_constants()

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._opaque_base import OpaqueBase
 
 __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
 
@@ -109,7 +110,7 @@ def _axis_slices(family: torch.Tensor, sub_ndim: int) -> list[list[tuple[int, ..
     return slices
 
 
-class DeviceMesh:
+class DeviceMesh(OpaqueBase):
     """An N-D arrangement of ranks with one process group per axis.
 
     Args:
@@ -339,7 +340,7 @@ class DeviceMesh:
 
     # ------------------------------------------------------------------ identity
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, DeviceMesh) and self._key == other._key
+        return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)
 
     def __hash__(self) -> int:
         return self._hash
