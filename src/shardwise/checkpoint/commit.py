@@ -46,7 +46,9 @@ def fault_point(name: str, rank: int) -> None:
         return
     where, _, how = wanted.partition(":")
     if where in (name, f"{name}@{rank}"):
-        os.kill(os.getpid(), signal.SIGINT if how == "INT" else signal.SIGKILL)
+        # raise_signal, not kill(getpid()): a process-directed signal may be taken by another
+        # thread (gloo's) and reach the interpreter only after the save has gone on.
+        signal.raise_signal(signal.SIGINT if how == "INT" else signal.SIGKILL)
 
 
 def new_token() -> str:
