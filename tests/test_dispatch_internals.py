@@ -251,3 +251,49 @@ def _nested_calls():
 def test_ops_with_nested_tensor_lists_match_one_device(dist):
     for rank, ok in enumerate(dist.run(2, _nested_calls)):
         assert all(ok.values()), f"rank {rank}: {ok}"
+
+
+def _specialized_calls():
+    """A user's custom handler with ``specialize``: asked once per call signature; its runner
+    serves every call of that signature, the handler the signatures it declines."""
+    op = torch.ops.aten.special_entr.default
+    old = registry.lookup(op)
+    seen = collections.Counter()
+
+    def specialize(func, args, kwargs):
+        seen["specialize"] += 1
+        if not args[0].placements[0].is_shard():
+            return None
+        spec = args[0]._spec
+
+        def run(func, args, kwargs, dtensors):
+            seen["runner"] += 1
+            return sw.DTensor(func(args[0]._local_tensor), spec, requires_grad=False)
+
+        return run
+
+    @registry.register_custom_handler(op, specialize=specialize, replace=True)
+    def handler(func, args, kwargs):
+        seen["handler"] += 1
+        return sw.DTensor(func(args[0]._local_tensor), args[0]._spec, requires_grad=False)
+
+    try:
+        mesh = sw.init_device_mesh("cpu", (2,))
+        full = torch.rand(4, 3) + 0.1
+        sharded = sw.distribute_tensor(full, mesh, [sw.Shard(0)])
+        replicated = sw.distribute_tensor(full, mesh, [sw.Replicate()])
+        outs = [torch.special.entr(sharded) for _ in range(3)] + [torch.special.entr(replicated) for _ in range(2)]
+        equal = all(torch.allclose(o.full_tensor(), torch.special.entr(full)) for o in outs)
+        return dict(seen), equal
+    finally:
+        if old is None:
+            registry._REGISTRY.pop(op, None)
+        else:
+            registry._REGISTRY[op] = old
+        registry._invalidate_caches()
+
+
+def test_a_custom_handler_may_specialize_per_call_signature(dist):
+    for seen, equal in dist.run(2, _specialized_calls):
+        assert equal
+        assert seen == {"specialize": 2, "runner": 3, "handler": 2}, seen

@@ -125,15 +125,19 @@ def _decide(key: tuple, func, args: tuple, kwargs: dict, dtensors: list) -> Call
     """The slow path: propagate, build the call's runner, cache it."""
     version = registry_version()
     plan = _with_slots(_propagate(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
-    run = _runner(func, plan)
+    run = _runner(func, plan, args, kwargs)
     PLANS.put(key, run, version, CACHE_SIZE)
     return run
 
 
-def _runner(func, plan: OutputPlan) -> Callable:
+def _runner(func, plan: OutputPlan, args: tuple, kwargs: dict) -> Callable:
     """What a cache hit calls, ``run(func, args, kwargs, dtensors)``: specialized once per call
     signature, so the hot path does not re-examine the plan on every call."""
     if plan.action is Action.CUSTOM:
+        if plan.specialize is not None:
+            special = plan.specialize(func, args, kwargs)
+            if special is not None:
+                return special
         handler = plan.handler
         return lambda func, args, kwargs, dtensors: handler(func, args, kwargs)
     if plan.action is Action.DECOMPOSE:

@@ -68,6 +68,8 @@ class OutputPlan:
     output_specs: tuple[DTensorSpec | None, ...] = ()
     rewrite: Callable | None = None
     handler: Callable | None = None
+    # CUSTOM only: the handler's per-signature specialization (registry.register_custom_handler).
+    specialize: Callable | None = None
     returns: Returns = Returns.WRAP
     moves_inputs: bool = False
     # Where the DTensors sit in the call (set by the dispatcher once per call signature): lets
@@ -132,7 +134,7 @@ def _propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, d
         return OutputPlan(Action.CUSTOM, handler=special)
     registration = registry.lookup(op)
     if registration is not None and registration.kind is registry.Kind.CUSTOM:
-        return OutputPlan(Action.CUSTOM, handler=registration.fn)
+        return OutputPlan(Action.CUSTOM, handler=registration.fn, specialize=registration.specialize)
     if registration is None:
         decomposition = _decomposition(op)
         if decomposition is not None:

@@ -44,6 +44,8 @@ class Registration:
     kind: Kind
     fn: Callable
     per_axis: bool = False
+    # CUSTOM only: ``specialize(op, args, kwargs) -> run | None`` (see register_custom_handler).
+    specialize: Callable | None = None
 
 
 _REGISTRY: dict[Any, Registration] = {}
@@ -77,11 +79,18 @@ def _invalidate_caches() -> None:
     bump_registry_version()
 
 
-def register_custom_handler(*ops: Any, replace: bool = False) -> Callable:
-    """Decorator: ``fn(op, args, kwargs) -> result`` handles the whole call for ``ops``."""
+def register_custom_handler(*ops: Any, replace: bool = False, specialize: Callable | None = None) -> Callable:
+    """Decorator: ``fn(op, args, kwargs) -> result`` handles the whole call for ``ops``.
+
+    ``specialize(op, args, kwargs)``, if given, is called once per call signature (what the
+    dispatcher caches on: the DTensors' specs, the other arguments' kinds) and may return a
+    leaner ``run(op, args, kwargs, dtensors) -> result`` that the dispatcher then calls for
+    every call with that signature instead of ``fn``, or None to keep ``fn``. For handlers
+    whose common layouts need no communication: the hot path then costs what an ordinary
+    op's does (no per-call planning lookups)."""
 
     def wrap(fn: Callable) -> Callable:
-        _register(ops, Registration(Kind.CUSTOM, fn), replace)
+        _register(ops, Registration(Kind.CUSTOM, fn, specialize=specialize), replace)
         return fn
 
     return wrap

@@ -113,6 +113,12 @@ def dtensor_cls() -> type:
     return _DTENSOR[0]
 
 
+def wrap_block() -> Callable[[torch.Tensor, DTensorSpec], Any]:
+    """``shardwise.dtensor.wrap_block``: for runners that wrap blocks on every call."""
+    dtensor_cls()
+    return _DTENSOR[1]
+
+
 def new_dtensor(local: torch.Tensor, spec: DTensorSpec) -> Any:
     """``DTensor(local, spec, requires_grad=False)``, the fast way (``shardwise.dtensor.wrap_block``)."""
     if not _DTENSOR:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from shardwise.dispatch.ops._common import R, aten, dtensor_cls, new_dtensor
+from shardwise.dispatch.ops._common import R, aten, dtensor_cls, new_dtensor, wrap_block
 from shardwise.dispatch.registry import register_custom_handler
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, choose, expand
 from shardwise.placement import Partial, Placement, Shard
@@ -185,7 +185,26 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- handlers
-@register_custom_handler(aten.embedding.default)
+def _lookup_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
+    """For a call signature whose plan moves nothing and looks each rank's indices up in its
+    own block (batch, column or replicated layouts: the usual ones): the op on the two blocks,
+    wrapped, with no planning per call. None for the other signatures."""
+    DTensor = dtensor_cls()
+    if kwargs or len(args) < 2 or type(args[0]) is not DTensor or type(args[1]) is not DTensor:
+        return None
+    plan = _embedding_plan(args[0]._spec, args[1]._spec)
+    if plan.inputs != (None, None) or plan.rows is not None:
+        return None
+    call = op._op if isinstance(op, torch._ops.OpOverload) else op  # skips the overload's Python __call__
+    spec, wrap = plan.output, wrap_block()
+
+    def run(op: Any, args: tuple, kwargs: dict, dtensors: list) -> Any:
+        return wrap(call(args[0]._local_tensor, args[1]._local_tensor, *args[2:]), spec)
+
+    return run
+
+
+@register_custom_handler(aten.embedding.default, specialize=_lookup_in_place)
 def embedding_handler(op: Any, args: tuple, kwargs: dict) -> Any:
     """``embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)`` on DTensors."""
     if kwargs:
