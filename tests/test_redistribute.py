@@ -1,11 +1,13 @@
 """redistribute on real gloo groups: placement pairs, values and bytes, seed examples.
 
-On 1-D and 2-D meshes every (source, target) pair runs. A 3-D mesh has 4096 pairs (about 90 s
-on two cores), so it runs the few pairs whose plans together take every step (layout before
-it, axis, collective, bytes) that the plan of any of the 4096 takes, and start from every
-source and end in every target layout: each step the executor can be asked to run is run and
-its bytes checked. The planner itself is checked on every pair without processes
-(tests/test_plan.py).
+On 1-D and 2-D meshes every (source, target) pair runs. A 3-D mesh has 4096 pairs (about 2
+minutes per shape on two cores), so it runs the few pairs (about 450) whose plans together take
+every single-axis step (layout before it, axis, collective, bytes) that the plan of any of the
+4096 takes, every kind of exchange (its axes, the kinds of placement before and after), every
+reduce-forward step's starting layout, and start from every source and end in every target
+layout: each step the executor can be asked to run is run and its bytes checked. Every
+exchange schedule itself is replayed on in-memory blocks (tests/test_plan_bound.py), and the
+planner is checked on every pair without processes (tests/test_plan.py).
 """
 
 import heapq
@@ -29,13 +31,26 @@ def _all_pairs(mesh_shape):
     return [(src, dst) for src in layouts for dst in layouts]
 
 
+def _exchange_kind(layout, step):
+    """What the executor's handling of an exchange step depends on: the axes it spans, those
+    kept pending, its collective, and which axes hold shards, copies or partial values before
+    and after it."""
+    def kinds(placements):
+        return tuple("P" if p.is_partial() else "R" if p.is_replicate() else "S" for p in placements)
+
+    return ("exchange", step.axes, step.kept, step.collective, kinds(layout), kinds(step.target))
+
+
 def _covering_pairs(mesh_shape, shape):
     """Few pairs that together take every step of every pair's plan (greedy set cover).
 
     A pair's features: its source, its target, and each step of its plan with the layout it
-    starts from (what the executor's block sizes and groups depend on; a reduce-forward step
-    counts once per layout it starts from), planned both without flattened groups and with the
-    whole world's (merged Partial reductions).
+    starts from (what the executor's block sizes and groups depend on), planned both without
+    flattened groups and with the whole world's (merged Partial reductions). An exchange or
+    reduce-forward step's schedule is unique to its pair; the executor runs any schedule with
+    the same code, and tests/test_plan_bound.py replays every schedule's values, so here an
+    exchange counts once per kind (``_exchange_kind``) and a reduce-forward step once per layout
+    it starts from.
     """
     pairs = _all_pairs(mesh_shape)
     features = []
@@ -44,9 +59,12 @@ def _covering_pairs(mesh_shape, shape):
         for flattened in ((), (tuple(range(len(mesh_shape))),)):
             layout = tuple(src)
             for step in plan_redistribute(shape, 8, mesh_shape, src, dst, flattened).steps:
-                # A reduce-forward step's schedule is unique to its pair; its values are
-                # replayed for every pair in tests/test_plan_bound.py, so here one per source.
-                feats.add((layout, "reduce_forward") if step.rounds else (layout, step))
+                if step.rounds:
+                    feats.add((layout, "reduce_forward"))
+                elif step.target:
+                    feats.add(_exchange_kind(layout, step))
+                else:
+                    feats.add((layout, step))
                 layout = step.apply(layout)
         features.append(feats)
     chosen, covered = [], set()
