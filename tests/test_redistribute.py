@@ -5,9 +5,10 @@ minutes per shape on two cores), so it runs the few pairs (about 450) whose plan
 every single-axis step (layout before it, axis, collective, bytes) that the plan of any of the
 4096 takes, every kind of exchange (its axes, the kinds of placement before and after), every
 reduce-forward step's starting layout, and start from every source and end in every target
-layout: each step the executor can be asked to run is run and its bytes checked. Every
-exchange schedule itself is replayed on in-memory blocks (tests/test_plan_bound.py), and the
-planner is checked on every pair without processes (tests/test_plan.py).
+layout: each step the executor can be asked to run is run and its bytes checked. Exchange
+schedules themselves are replayed on in-memory blocks for random meshes, shapes and layouts
+(tests/test_plan_bound.py), and the planner is checked on every pair without processes
+(tests/test_plan.py).
 """
 
 import heapq
@@ -48,7 +49,7 @@ def _covering_pairs(mesh_shape, shape):
     starts from (what the executor's block sizes and groups depend on), planned both without
     flattened groups and with the whole world's (merged Partial reductions). An exchange or
     reduce-forward step's schedule is unique to its pair; the executor runs any schedule with
-    the same code, and tests/test_plan_bound.py replays every schedule's values, so here an
+    the same code, and tests/test_plan_bound.py replays schedules' values, so here an
     exchange counts once per kind (``_exchange_kind``) and a reduce-forward step once per layout
     it starts from.
     """
