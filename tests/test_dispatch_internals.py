@@ -80,6 +80,15 @@ def test_the_process_wide_fallback_default_reaches_every_thread_and_invalidates(
     assert flags.fallback_enabled() is False
 
 
+def _restore_registration(op, old) -> None:
+    """Put ``op``'s registration back as it was before a test registered its own."""
+    if old is None:
+        registry._REGISTRY.pop(op, None)
+    else:
+        registry._REGISTRY[op] = old
+    registry._invalidate_caches()
+
+
 def test_registering_an_op_invalidates_the_propagation_cache():
     plans = cache.PLANS
     plans.put(("test", "entry"), "decided", cache.registry_version())
@@ -104,11 +113,7 @@ def test_registering_an_op_invalidates_the_propagation_cache():
         assert plans.memo(("test", "memo"), lambda: made.append(1) or "choice") == "choice"
         assert plans.memo(("test", "memo"), lambda: made.append(1) or "again") == "choice" and made == [1]
     finally:
-        if old is None:
-            registry._REGISTRY.pop(op, None)
-        else:
-            registry._REGISTRY[op] = old
-        registry._invalidate_caches()
+        _restore_registration(op, old)
     assert plans.get(("test", "memo")) is None
 
 
@@ -286,11 +291,7 @@ def _specialized_calls():
         equal = all(torch.allclose(o.full_tensor(), torch.special.entr(full)) for o in outs)
         return dict(seen), equal
     finally:
-        if old is None:
-            registry._REGISTRY.pop(op, None)
-        else:
-            registry._REGISTRY[op] = old
-        registry._invalidate_caches()
+        _restore_registration(op, old)
 
 
 def test_a_custom_handler_may_specialize_per_call_signature(dist):
