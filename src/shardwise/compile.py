@@ -178,7 +178,7 @@ def _nonstrict(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def with_real_meshes(*args: Any, **kwargs: Any) -> Any:
-        return fn(*(real(a) for a in args), **kwargs)
+        return fn(*map(real, args), **kwargs)
 
     return torch._dynamo.nonstrict_trace(with_real_meshes)
 
