@@ -377,6 +377,19 @@ def test_launch_command_line(monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------------- the library setting
+@pytest.mark.parametrize("text,kind", [
+    ("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 4000ms for recv operation to complete", "timeout"),
+    ("[../gloo/transport/tcp/unbound_buffer.cc:81] Application timeout caused pair closure", "timeout"),
+    ("[../gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:1234", "peer"),
+    ("gloo: unsupported reduction on this dtype", None),
+])
+def test_gloo_failure_wordings_are_classified(text, kind):
+    """Each wording gloo uses for a timeout (either: the wait expiring, or the timeout closing the
+    connection first) and for a lost peer; anything else is gloo's own error, re-raised."""
+    found = "timeout" if comm._TIMED_OUT.search(text) else "peer" if comm._PEER_GONE.search(text) else None
+    assert found == kind, text
+
+
 def test_collective_timeout_setting(monkeypatch):
     monkeypatch.setattr(comm, "_timeout_s", None)
     monkeypatch.delenv(comm.TIMEOUT_ENV, raising=False)

@@ -202,9 +202,11 @@ class PeerLost(CollectiveError):
     """A peer's connection closed mid-collective: it exited or crashed (its own report names why)."""
 
 
-# gloo's wording (torch 2.6-2.13): "Timed out waiting 5000ms for recv operation to complete";
-# a peer that exits: "Connection closed by peer", or a reset / broken pipe on the socket.
-_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms|timed out after|Timeout waiting", re.IGNORECASE)
+# gloo's wording (torch 2.6-2.13): "Timed out waiting 5000ms for recv operation to complete", or,
+# when the timeout closed the connection first, "Application timeout caused pair closure"; a peer
+# that exits: "Connection closed by peer", or a reset / broken pipe on the socket.
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms|timed out after|Timeout waiting|timeout caused pair closure",
+                        re.IGNORECASE)
 _PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket closed",
                         re.IGNORECASE)
 
