@@ -40,7 +40,13 @@ axis-by-axis plan. Total first is a choice: the two bounds of ``bound.py`` canno
 together for Partial sources, and the total is what the network as a whole carries (what
 crosses oversubscribed links and switches); the busiest rank decides among plans of equal
 total. On (2, 2, 2) meshes this takes a plan that sends less in all but more from its busiest
-rank in 218 of 4872 Partial-source transitions (up to 1.45x more; bound.py has the figures). With every flattened group available the chosen plan meets the
+rank in 218 of 4872 Partial-source transitions (up to 1.45x more; bound.py has the figures).
+The price shows against torch's DTensor, whose plans reduce with one all_reduce: in
+``benchmarks/redistribute.py --meshes 2x2x2 --shapes 8x4,7x5 --sample 0`` shardwise's busiest
+rank sent more than torch's in 19 of the 5,360 transitions both ran (18 of them Partial sources
+on the uneven 7x5: e.g. (S1, S1, P) -> (R, R, P), 168 B against 140 B, while all ranks together
+sent 560 B against 1,008 B), and two all_to_alls can take longer than one all_reduce on small
+tensors. With every flattened group available the chosen plan meets the
 total bound on every transition; without a Partial source its busiest rank meets its bound too.
 """
 
