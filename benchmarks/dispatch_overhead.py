@@ -5,6 +5,7 @@
     python benchmarks/dispatch_overhead.py --quick     # fewer iterations (< 60 s)
     python benchmarks/dispatch_overhead.py --ops mm,view --worlds 4
     python benchmarks/dispatch_overhead.py --clock cpu # CPU time of the timing thread (loaded machine)
+    python benchmarks/dispatch_overhead.py --worlds 1 --clock cpu --sessions 5   # the floor comparison
 
 Overhead of an op = (time of the op on DTensors) - (time of the same op on plain tensors that are
 this rank's local blocks). Every layout is chosen so that the op needs NO communication (each
@@ -17,9 +18,12 @@ The reference "wrapper" column is a minimal ``_make_wrapper_subclass`` tensor wh
 pytree): the floor any Python tensor subclass pays.
 
 Each world size runs as its own group of local gloo processes (world 1: one process). Only rank
-0 times (timeit-style: ``--number`` calls per repeat, median of ``--repeat`` repeats, the
-variants interleaved so machine load hits them alike, gc off); the other ranks wait at a barrier
-so they do not compete for the cores.
+0 times (timeit-style: ``--number`` calls per repeat, the variants interleaved so machine load
+hits them alike, gc off; the fastest of ``--repeat`` repeats, since load only ever adds time,
+or with ``--stat median`` their median); the other ranks wait at a barrier so they do not
+compete for the cores. An overhead is a difference of two timings, so its noise is theirs
+added: the per-op ratios to the floor move by tens of percent between runs on a shared machine
+with the median, much less with the fastest repeat.
 """
 
 from __future__ import annotations
@@ -50,7 +54,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--worlds", default="1,4", help="comma-separated world sizes (default 1,4)")
     p.add_argument("--size", type=int, default=16, help="global tensors are SIZE x SIZE (default 16)")
     p.add_argument("--number", type=int, default=None, help="calls per timed repeat (default 1000, --quick 60)")
-    p.add_argument("--repeat", type=int, default=None, help="timed repeats, median taken (default 11, --quick 5)")
+    p.add_argument("--repeat", type=int, default=None, help="timed repeats (default 11, --quick 5)")
+    p.add_argument("--sessions", type=int, default=1,
+                   help="fresh process groups per world size; the summary takes each op's median over them "
+                        "(default 1)")
+    p.add_argument("--stat", choices=("min", "median"), default="min",
+                   help="statistic over the repeats: the fastest (default; load only adds time) or the median")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall time (default), or the timing thread's CPU time: steadier on a shared, loaded machine")
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)  # worker -> parent results file
@@ -64,6 +73,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.number = 60 if args.quick else 1000
     if args.repeat is None:
         args.repeat = 5 if args.quick else 11
+    if args.sessions < 1:
+        p.error("--sessions must be >= 1")
     if args.size % 4:
         p.error("--size must be a multiple of 4 (the view case splits a dim into 4)")
     return args
@@ -300,7 +311,8 @@ class Bench:
         return row
 
     def time_variants(self, variants: dict[str, Callable[[], Any]]) -> dict[str, float]:
-        """Median µs per call of each variant (rank 0 times; the others wait at a barrier)."""
+        """µs per call of each variant, the ``--stat`` of its repeats (rank 0 times; the others
+        wait at a barrier)."""
         result: dict[str, float] = {}
         if self.rank == 0:
             number, repeat = self.args.number, self.args.repeat
@@ -324,7 +336,8 @@ class Bench:
             finally:
                 if gc_was:
                     gc.enable()
-            result = {name: statistics.median(v) for name, v in samples.items()}
+            stat = min if self.args.stat == "min" else statistics.median
+            result = {name: stat(v) for name, v in samples.items()}
         self.dist.barrier()
         return result
 
@@ -334,7 +347,7 @@ class Bench:
         start = time.perf_counter()
         self.say(f"\n=== world size {self.world} (gloo, {self.world} process{'es' if self.world > 1 else ''}), "
                  f"{self.args.size}x{self.args.size} float32, torch {torch.__version__}, "
-                 f"{self.args.number} calls x {self.args.repeat} repeats (median), timed on rank 0 ===")
+                 f"{self.args.number} calls x {self.args.repeat} repeats ({self.args.stat}), timed on rank 0 ===")
         rows = [self.run_op(op) for op in self.args.op_list]
         if self.rank != 0:
             return None
@@ -393,7 +406,8 @@ def medians(rows: list[Row]) -> dict[str, float]:
 
 def summary(rows: list[Row], world: int) -> list[str]:
     m = medians(rows)
-    floors = [r.sw_over / r.wrapper_over for r in rows if r.wrapper_over > 0 and r.sw_over == r.sw_over]
+    per_op = {r.op: r.sw_over / r.wrapper_over for r in rows if r.wrapper_over > 0 and r.sw_over == r.sw_over}
+    floors = list(per_op.values())
     lines = [
         f"world {world}: median overhead over {m['ops']}/{m['of']} ops: torch {_f(m['torch']).strip()} µs, "
         f"shardwise {_f(m['shardwise']).strip()} µs, ratio of medians shardwise/torch {_r(m['ratio']).strip()}; "
@@ -401,10 +415,25 @@ def summary(rows: list[Row], world: int) -> list[str]:
     ]
     if floors:
         lines.append(f"world {world}: shardwise / wrapper floor, per op: median {_r(statistics.median(floors)).strip()}, "
-                     f"max {_r(max(floors)).strip()}")
+                     f"max {_r(max(floors)).strip()} ({max(per_op, key=per_op.__getitem__)})")
+        lines.append(f"world {world}: per op: " + ", ".join(f"{op} {_r(v).strip()}" for op, v in per_op.items()))
     if m["sw_unsupported"]:
         lines.append(f"world {world}: shardwise unsupported: {', '.join(m['sw_unsupported'])}")
     return lines
+
+
+def across_sessions(sessions: list[list[Row]]) -> list[Row]:
+    """One row per op: each timing the median over the sessions (errors and notes of the first).
+
+    A process's timings carry effects that last as long as it does (where its code and data
+    landed in memory), so one process can read an op 15% above the floor and the next 10%
+    below it; the median over fresh processes is steadier than more repeats in one."""
+    out = []
+    for rows in zip(*sessions):
+        med = lambda name: statistics.median(getattr(r, name) for r in rows)  # noqa: E731
+        out.append(Row(rows[0].op, med("plain_us"), med("torch_us"), med("sw_us"), med("wrapper_us"),
+                       rows[0].torch_error, rows[0].sw_error, rows[0].notes))
+    return out
 
 
 # ====================================================================== the parent
@@ -413,19 +442,20 @@ def parent(args: argparse.Namespace) -> int:
     script = os.path.abspath(sys.argv[0])
     start = time.perf_counter()
     status = 0
-    combined = []
+    runs: dict[int, list[list[Row]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for world in args.world_list:
-            out = os.path.join(tmp, f"world{world}.json")
+        for world, session in [(w, k) for w in args.world_list for k in range(args.sessions)]:
+            out = os.path.join(tmp, f"world{world}-{session}.json")
             code = launch([script, *sys.argv[1:], f"--_out={out}"], world)
             if code != 0 or not os.path.exists(out):
                 print(f"!! world {world}: the workers failed (status {code})", flush=True)
                 status = status or code or 1
                 continue
             with open(out) as f:
-                rows = [Row(**r) for r in json.load(f)]
-            combined.append((world, rows))
-    print("\n=== summary (median over ops of the per-op overhead = DTensor op µs - plain op µs) ===")
+                runs.setdefault(world, []).append([Row(**r) for r in json.load(f)])
+    combined = [(world, across_sessions(rows)) for world, rows in runs.items()]
+    sessions = f"; each op's median over {args.sessions} sessions" if args.sessions > 1 else ""
+    print(f"\n=== summary (median over ops of the per-op overhead = DTensor op µs - plain op µs{sessions}) ===")
     for world, rows in combined:
         for line in summary(rows, world):
             print(line)

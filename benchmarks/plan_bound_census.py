@@ -43,7 +43,7 @@ def keep_total(shape: tuple, mesh: tuple, src: tuple, dst: tuple) -> int | None:
 
 def census(mesh: tuple, shape: tuple) -> str:
     layouts = list(itertools.product([R, S0, S1, P], repeat=len(mesh)))
-    count = above = keeping_cheaper = busiest_above = 0
+    count = above = keeping_cheaper = busiest_above = grain = 0
     for src in layouts:
         if not any(p.is_partial() for p in src):
             continue
@@ -53,13 +53,15 @@ def census(mesh: tuple, shape: tuple) -> str:
             count += 1
             plan = plan_redistribute(shape, ITEMSIZE, mesh, src, dst, flattened_groups(mesh))
             bound = lower_bound(shape, ITEMSIZE, mesh, src, dst)
-            if plan.total_bytes > bound.total:
+            grain += plan.total_bytes > bound.total
+            if plan.exact_total_bytes > bound.total:
                 above += 1
                 kept = keep_total(shape, mesh, src, dst)
                 keeping_cheaper += kept is not None and kept < reducing_total(shape, mesh, src, dst) * ITEMSIZE
             busiest_above += plan.busiest_bytes > bound.busiest
     return (f"mesh {mesh} shape {shape}: {count} transitions; total above the bound {above} "
-            f"(keeping pending cheaper: {keeping_cheaper}); busiest rank above its bound {busiest_above}")
+            f"(keeping pending cheaper: {keeping_cheaper}; as comm counts all_reduces: {grain}); "
+            f"busiest rank above its bound {busiest_above}")
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from shardwise.collective_bytes import all_reduce_sent
 from shardwise.mesh import DeviceMesh
 
 __all__ = [
@@ -406,8 +407,7 @@ def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, axis: int, op: str) -> to
     n = mesh.size(axis)
     if tensor.numel() == 0:
         return tensor.contiguous().clone()
-    own = -(-tensor.numel() // n)
-    nbytes = (tensor.numel() + (n - 2) * own) * tensor.element_size()
+    nbytes = all_reduce_sent(tensor.numel(), n, 0) * tensor.element_size()  # the busiest rank's figure
     if traced(tensor):
         out = _issue_traced("all_reduce", mesh, axis, nbytes, funcol.all_reduce, tensor.contiguous(),
                             _FUNCTIONAL_OPS[op])
@@ -641,8 +641,7 @@ def all_reduce_async(tensor: torch.Tensor, mesh: DeviceMesh, axis: int, op: str)
     out = tensor
     if out.numel() == 0:
         return Pending(None, out, lambda t: t, ())
-    own = -(-out.numel() // n)
-    nbytes = (out.numel() + (n - 2) * own) * out.element_size()
+    nbytes = all_reduce_sent(out.numel(), n, 0) * out.element_size()  # the busiest rank's figure
     return _issue_async("all_reduce", mesh, axis, nbytes, dist.all_reduce, out, out, op=_REDUCE_OPS[op],
                         finish=lambda t: _finish_avg(t, op, n))
 

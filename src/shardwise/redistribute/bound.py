@@ -41,8 +41,8 @@ Partial sources (pending reductions)
     bound: ``ceil(total / ranks)`` and, per set Q of ranks holding the same contribution of
     the same block, ``ceil(q / |Q|)`` where q counts the elements of the block no rank of Q
     needs (Q must send something about each of them: its contribution or the reduced value).
-    The all_reduce byte formula (``numel + (n-2) ceil(numel/n)`` per rank) meets ``total``
-    only when ``n`` divides the block; gloo's collectives are not counted below that grain.
+    An all_reduce sends ``numel + (n-2) * its reduce_scatter piece`` per rank
+    (``collective_bytes.all_reduce_sent``), ``2 (n-1) numel`` in all: it meets ``total``.
     ``total`` is tight for every Partial source: pick for each element a first owner ``f`` in
     T holding one of its contributions (when no rank of T holds one: any rank of T, or a holder
     that then sends the value to all of T, the same count); in round one one holder of each
@@ -53,41 +53,46 @@ Partial sources (pending reductions)
     reduce op in the source, at most one in the target; tests/test_plan_bound.py).
 
     ``busiest`` (= ``busiest_any``) is a lower bound for any schedule, but no schedule meets it
-    together with ``total`` in general. A schedule that sends exactly ``total`` sends, per
-    element, exactly one message out of each contribution class but the first owner's and one
-    into each other rank of T (the counts above, with equality), and only a rank that knows
-    the value can send the latter to a rank holding no contribution. Example: (2, 2), 7x5
-    float32, ``(Partial, Shard(1)) -> (Shard(0), Replicate)``: rows 0-3 of columns 0-2 (12
-    elements) are held by (0, 0) and (1, 0) and needed by (0, 0) and (0, 1), so (1, 0) sends
-    its contribution to (0, 0), which alone can send the value to (0, 1); rows 4-6 (9 elements)
-    likewise make (0, 0) send to (1, 0). Rank (0, 0) sends at least 21 elements (84 B) in any
-    schedule that meets ``total`` (70 elements), while ``busiest`` is ceil(70 / 4) = 18
-    (72 B). In two rounds, rounding can force it too: (2, 2, 2), 7x5, ``(Partial, Partial,
-    Replicate) -> (Replicate, Partial, Replicate)`` reduced at once (840 B, the bound): the
-    four ranks at coordinate 0 of axis 1 need every element and hold two contribution classes
-    A and B of two ranks each; after round one only the first owner knows a value, so per
-    element it sends 3 values and one rank of the other class 1; if X of the 35 elements have
-    their first owner in A, A's ranks send 3X + (35 - X) elements, which must be 70 for each
-    of the four to send 35 (140 B): X = 17.5. So some rank sends 36 (144 B) in every
-    two-round schedule meeting ``total`` (a third round relaying values could spread it),
+    together with ``total`` in general. A schedule that sends exactly ``total`` sends no message
+    beyond the counts above, with equality: per element, the first departure of each
+    contribution the first owner lacks, and one message that completes the value of each other
+    rank of T (for a rank of T holding no contribution that message carries the whole value, so
+    its sender already knew it). Example: (2, 2), 7x5 float32, ``(Partial, Shard(1)) ->
+    (Shard(0), Replicate)``: rows 0-3 of columns 0-2 (12 elements) are held by (0, 0) and
+    (1, 0) and needed by (0, 0) and (0, 1), which holds none of them; two messages per element
+    are allowed, (0, 0) must receive the other contribution and (0, 1) the value, so the value's
+    sender is (0, 0), the only rank that can know it after one message; rows 4-6 (9 elements)
+    likewise make (0, 0) send its contribution to (1, 0). Rank (0, 0) sends at least 21
+    elements (84 B) in any schedule that meets ``total`` (70 elements), while ``busiest`` is
+    ceil(70 / 4) = 18 (72 B). In two rounds, rounding can force it too: (2, 2, 2), 7x5,
+    ``(Partial, Partial, Replicate) -> (Replicate, Partial, Replicate)`` reduced at once (840 B,
+    the bound): the four ranks at coordinate 0 of axis 1 need every element and hold two
+    contribution classes A and B of two ranks each; after round one only the first owner knows
+    a value, so per element it sends 3 values and one rank of the other class 1; if X of the 35
+    elements have their first owner in A, A's ranks send 3X + (35 - X) elements, which must be
+    70 for each of the four to send 35 (140 B): X = 17.5. So some rank sends 36 (144 B) in
+    every two-round schedule meeting ``total`` (a third round relaying values could spread it),
     while one all_reduce over axis 0 (1,120 B in all) has every rank send 140 B. The least
-    busiest rank among the schedules that meet ``total`` is the optimum of
-    an integer program (which rank reduces each element, which holder sends each
-    contribution, who forwards); it is not computed here. ``reduce_forward`` chooses greedily
-    and then improves by local search, without a proof of optimality, and the planner takes it
-    only when its busiest rank sends no more than the axis-by-axis plan's (so some plans keep a
-    total above ``total``). Figures, every flattened group available, Partial(sum) sources,
-    every target over {R, S0, S1, P} other than the source: the plan's total is above
-    ``total`` on (2, 2) 8x8 in 0 of 105 transitions (before keeping reductions pending: 4;
-    before reduce-forward: 8), 7x5 in 1 (before: 5), on (2, 2, 2) 8x8 in 115 of 2331 (before:
-    359; before reduce-forward: 758), 7x5 in 122 (before: 361; 783). Of those, the
-    transitions where keeping a reduction pending is cheaper in all (Partial targets, below)
-    were 4, 4, 240 and 240; they are 0, 0, 12 and 12 now: there the kept plan's busiest rank
-    sends more than the reduce-forward plan's (e.g. (2, 2, 2) 8x8, (R, S0, P) -> (R, P, P):
-    kept 512 B in all, 128 B busiest; reduce-forward 640 B, 88 B), and the planner does not
-    trade the busiest rank for the total. The busiest rank is above ``busiest`` on (2, 2) 8x8
-    in 0 (before reduce-forward: 10), (2, 2) 7x5 in 12 (before keeping: 16; 31), (2, 2, 2) 8x8
-    in 466 (562; 834), 7x5 in 726 (963; 1423); some of these, like the example, are forced.
+    busiest rank among the schedules that meet ``total`` is the optimum of an integer program
+    (which ranks reduce each element, which holder sends each contribution, who relays); it is
+    not computed here, so for Partial sources the busiest rank is held only to ``busiest_any``
+    and reported against ``busiest``. ``reduce_forward`` chooses greedily and then improves by
+    local search, without a proof of optimality.
+
+    The planner puts the total first (``plan.py`` says why). Figures, every flattened group
+    available, Partial(sum) sources, every target over {R, S0, S1, P} other than the source
+    (``python benchmarks/plan_bound_census.py``): the plan's total, each all_reduce at every
+    rank's own share (``Plan.exact_total_bytes``), is at ``total`` on every one of the 105
+    transitions of (2, 2) and the 2331 of (2, 2, 2), for 8x8 and 7x5 (before the total came
+    first: above it on 0, 1, 115 and 122; before reduce-forward: 8, 9, 758, 783). Counted as
+    ``comm`` counts an all_reduce (its busiest rank's figure on every rank) 1 and 19 of the 7x5
+    plans are above by that rounding. The busiest rank is above ``busiest`` on (2, 2) 8x8 in 0
+    (before reduce-forward: 10), (2, 2) 7x5 in 12 (31), (2, 2, 2) 8x8 in 466 (834), 7x5 in 738
+    (1423); some of these, like the examples, are forced. Putting the total first raised the
+    busiest rank in 218 of the 4872 transitions (median 1.2x, at most 1.45x: (2, 2, 2) 8x8,
+    (S1, R, P) -> (P, R, P) now keeps axis 2 pending, one all_to_all of 512 B in all and 128 B
+    from the busiest rank, where reduce-forward sent 640 B and 88 B in two) and lowered the
+    total in the same 218.
 
 Partial targets
     A Partial target holds the value on the ranks at coordinate 0 of its Partial axes and the
