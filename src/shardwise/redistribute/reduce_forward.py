@@ -103,6 +103,8 @@ def plan_reduce_forward(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layou
             pieces.append(piece)
             start += size
     _improve(pieces, loads)
+    _spread(pieces, loads)
+    _improve(pieces, loads)
     for piece in _merged(pieces):
         for s, members in piece.senders:
             first.append(Transfer(s, piece.f, piece.cell, piece.start, piece.stop, members[0]))
@@ -144,6 +146,29 @@ class _Piece:
         self.loads = self._load()
         for r, e in self.loads.items():
             loads[r] += sign * e
+
+
+def _spread(pieces: list[_Piece], loads: list[int], rounds: int = 8) -> None:
+    """Moves that make the loads more even (a smaller sum of squares), whichever ranks they
+    touch: a chain of such moves carries load from the busiest rank to the idlest even when no
+    single move off the busiest rank lowers it."""
+    for _ in range(rounds):
+        moved = False
+        for piece in sorted(pieces, key=lambda p: p.start - p.stop):
+            old, touched = (piece.f, piece.senders), piece.load()
+            piece.assign(loads, *old, sign=-1)
+            f, senders = _choose(loads, piece.owners, piece.classes, piece.wanting, piece.stop - piece.start, even=True)
+            piece.assign(loads, f, senders)
+            union = set(piece.load()) | set(touched)
+            after = sum(loads[r] ** 2 for r in union)
+            before = sum((loads[r] - piece.load().get(r, 0) + touched.get(r, 0)) ** 2 for r in union)
+            if after >= before:
+                piece.assign(loads, f, senders, sign=-1)
+                piece.assign(loads, *old)
+            else:
+                moved = True
+        if not moved:
+            return
 
 
 def _improve(pieces: list[_Piece], loads: list[int], rounds: int = 4) -> None:
@@ -192,16 +217,18 @@ def _merged(pieces: list[_Piece]) -> list[_Piece]:
 
 
 def _choose(loads: list[int], owners: list[int], classes: list[list[int]], wanting: list[int],
-            size: int) -> tuple[int, list[tuple[int, list[int]]]]:
+            size: int, even: bool = False) -> tuple[int, list[tuple[int, list[int]]]]:
     """The first owner of a run of ``size`` elements and, per other contribution class, its
-    sender: the choice whose busiest rank after it is least (then the least loaded owner, then
-    the lowest rank), senders the least loaded member of their class."""
+    sender: the choice whose busiest rank after it is least (``even``: whose loads after it have
+    the least sum of squares), then the least loaded owner, then the lowest rank; senders the
+    least loaded member of their class."""
     best = None
     for f in owners:
         senders = [(min(m, key=lambda r: (loads[r], r)), m) for m in classes if f not in m]
         fan_out = len(wanting) - (f in wanting)
         after = [loads[f] + fan_out * size] + [loads[s] + size for s, _ in senders]
-        key = (max(after), loads[f], f)
+        spread = sum(x * x - (x - size) ** 2 for x in after[1:]) + after[0] ** 2 - loads[f] ** 2 if even else 0
+        key = (spread, max(after), loads[f], f)
         if best is None or key < best[0]:
             best = (key, f, senders)
     assert best is not None
