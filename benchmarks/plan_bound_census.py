@@ -27,8 +27,8 @@ import sys
 
 from shardwise import Partial, Replicate, Shard
 from shardwise.redistribute import plan_redistribute
-from shardwise.redistribute.bound import blocks, cells, contains, coordinates, lower_bound, needs_value, reducing_total, volume
-from shardwise.redistribute.reduce_forward import forwardable, plan_reduce_forward
+from shardwise.redistribute.bound import lower_bound, reducing_total
+from shardwise.redistribute.reduce_forward import cell_choices, forwardable, plan_reduce_forward
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 ITEMSIZE = 4
@@ -81,32 +81,17 @@ def family_optimum(shape: tuple, mesh: tuple, src: tuple, dst: tuple) -> float:
     import numpy as np
     from scipy.optimize import linprog
 
-    coords = coordinates(mesh)
-    ranks = len(coords)
-    src_blocks, dst_blocks = blocks(shape, mesh, src), blocks(shape, mesh, dst)
-    cutting = [a for a, p in enumerate(src) if not p.is_replicate() and mesh[a] > 1]
-    klass = [tuple(c[a] for a in cutting) for c in coords]
-    needers = [r for r, c in enumerate(coords) if needs_value(dst, c)]
+    ranks = math.prod(mesh)
     loads: list[tuple[int, int, int]] = []  # (variable, rank, elements sent per unit)
     equalities: list[tuple[dict[int, int], int]] = []
     n_vars = 0
-    for cell in cells(shape, src_blocks + dst_blocks):
-        v = volume(cell)
-        wanting = [r for r in needers if contains(dst_blocks[r], cell)]
-        if not v or not wanting:
-            continue
-        classes: dict = {}
-        for r in range(ranks):
-            if contains(src_blocks[r], cell):
-                classes.setdefault(klass[r], []).append(r)
-        holding = sorted(r for m in classes.values() for r in m)
-        owners = [r for r in wanting if r in holding] or sorted(set(wanting) | set(holding))
+    for _, v, wanting, owners, classes in cell_choices(shape, mesh, src, dst):
         firsts = []
         for f in owners:
             x, n_vars = n_vars, n_vars + 1
             firsts.append(x)
             loads.append((x, f, len(wanting) - (f in wanting)))
-            for members in classes.values():
+            for members in classes:
                 if f not in members:
                     senders = list(range(n_vars, n_vars + len(members)))
                     n_vars += len(members)

@@ -24,9 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from shardwise.placement import Placement
-from shardwise.redistribute.bound import cells, contains, blocks, coordinates, needs_value, volume
+from shardwise.redistribute.bound import Box, blocks, cells, contains, coordinates, needs_value, volume
 from shardwise.redistribute.exchange import Transfer
 
 __all__ = ["ReduceForward", "plan_reduce_forward", "forwardable"]
@@ -59,6 +60,44 @@ def forwardable(mesh_shape: tuple, src: Layout, dst: Layout) -> bool:
     return len(_partial_ops(src, mesh_shape)) == 1 and len(_partial_ops(dst, mesh_shape)) <= 1
 
 
+class CellChoices(NamedTuple):
+    """One cell of the tensor (a box no block edge crosses) and the choices the family of
+    reduce-forward schedules has for its elements: a first owner among ``owners``, a sender
+    per contribution class not holding it (``classes``: the ranks holding each contribution),
+    and the owner sends the value to the rest of ``wanting``."""
+
+    cell: Box
+    size: int
+    wanting: list[int]
+    owners: list[int]
+    classes: list[list[int]]
+
+
+def cell_choices(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> list[CellChoices]:
+    """Every cell some rank needs, with its choices (``CellChoices``), in tensor order."""
+    coords = coordinates(mesh_shape)
+    src_blocks, dst_blocks = blocks(shape, mesh_shape, src), blocks(shape, mesh_shape, dst)
+    cutting = [a for a, p in enumerate(src) if not p.is_replicate() and mesh_shape[a] > 1]
+    klass = [tuple(c[a] for a in cutting) for c in coords]
+    needers = [r for r, c in enumerate(coords) if needs_value(dst, c)]
+    out = []
+    for cell in cells(shape, src_blocks + dst_blocks):
+        v = volume(cell)
+        wanting = [r for r in needers if contains(dst_blocks[r], cell)]
+        if not v or not wanting:
+            continue
+        classes: dict = {}
+        for r in range(len(coords)):
+            if contains(src_blocks[r], cell):
+                classes.setdefault(klass[r], []).append(r)
+        holding = sorted(r for m in classes.values() for r in m)
+        # With no holder of the element among T, the sum may as well form at a holder that then
+        # sends it to all of T: n - 1 + |T| messages either way.
+        owners = [r for r in wanting if r in holding] or sorted(set(wanting) | set(holding))
+        out.append(CellChoices(cell, v, wanting, owners, list(classes.values())))
+    return out
+
+
 @lru_cache(maxsize=1024)
 def plan_reduce_forward(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layout) -> ReduceForward:
     """The schedule from ``src`` to ``dst`` (module docstring); ValueError when not ``forwardable``."""
@@ -69,32 +108,14 @@ def plan_reduce_forward(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layou
     ranks = len(coords)
     op = next(iter(_partial_ops(src, mesh_shape)))
     n = math.prod(m for p, m in zip(src, mesh_shape) if p.is_partial() and m > 1)
-    src_blocks, dst_blocks = blocks(shape, mesh_shape, src), blocks(shape, mesh_shape, dst)
-    cutting = [a for a, p in enumerate(src) if not p.is_replicate() and mesh_shape[a] > 1]
-    klass = [tuple(c[a] for a in cutting) for c in coords]
-    needers = [r for r, c in enumerate(coords) if needs_value(dst, c)]
     loads = [0] * ranks
     per_round: tuple[list[int], list[int]] = ([0] * ranks, [0] * ranks)
     first: list[Transfer] = []
     second: list[Transfer] = []
-    work = []
-    for cell in cells(shape, src_blocks + dst_blocks):
-        v = volume(cell)
-        wanting = [r for r in needers if contains(dst_blocks[r], cell)]
-        if not v or not wanting:
-            continue
-        classes: dict = {}
-        for r in range(ranks):
-            if contains(src_blocks[r], cell):
-                classes.setdefault(klass[r], []).append(r)
-        holding = sorted(r for m in classes.values() for r in m)
-        # With no holder of the element among T, the sum may as well form at a holder that then
-        # sends it to all of T: n - 1 + |T| messages either way.
-        owners = [r for r in wanting if r in holding] or sorted(set(wanting) | set(holding))
-        work.append((len(owners), cell, v, wanting, owners, list(classes.values())))
-    work.sort(key=lambda w: w[0])  # the most constrained cells first: their loads are forced
+    # The most constrained cells first: their loads are forced.
+    work = sorted(cell_choices(shape, mesh_shape, src, dst), key=lambda c: len(c.owners))
     pieces: list[_Piece] = []
-    for _, cell, v, wanting, owners, classes in work:
+    for cell, v, wanting, owners, classes in work:
         start = 0
         while start < v:
             size = max(1, (v - start) // (8 * len(owners)))
