@@ -1,8 +1,9 @@
 """The redistribute planner against the true lower bound (redistribute/bound.py), no processes.
 
 Random meshes up to 3-D, tensors up to 3-D with even, uneven and empty blocks, random layout
-pairs. Every plan sends exactly the total bound: what the ranks lack, or for a Partial source
-the least a reduction needs. Without Partial sources its busiest rank sends no more than the
+pairs. Without Partial sources every plan sends exactly the total bound, what the ranks lack;
+from a Partial source it sends the least a reduction needs unless every plan that does would be
+slower (``plan._better``). Without Partial sources its busiest rank sends no more than the
 one-round optimum (less only by relaying across steps, never below the any-schedule bound);
 with one, never below the any-schedule bound. The exchange and reduce-forward schedules are
 replayed on in-memory blocks.
@@ -62,11 +63,18 @@ def test_plans_from_values_meet_the_lower_bound(case):
 
 @settings(max_examples=300, deadline=None)
 @given(_cases(partial_source=True))
-def test_plans_from_partial_sources_meet_the_total_bound(case):
+def test_plans_from_partial_sources_meet_the_total_bound_unless_it_is_slower(case):
+    """At the total bound, or the plans there would be slower on every latency-bandwidth network:
+    their busiest rank sends at least as much, in at least as many collectives."""
     mesh_shape, shape, src, dst = case
     _, plan, bound = _plan_and_bound(case)
-    assert plan.exact_total_bytes == bound.total, f"{plan}: {plan.exact_sends} vs {bound}"
+    assert plan.exact_total_bytes >= bound.total, f"{plan}: {plan.exact_sends} vs {bound}"
     assert plan.busiest_bytes >= bound.busiest_any, f"{plan}: {plan.sends} vs {bound}"
+    if plan.exact_total_bytes > bound.total:  # the reduce-forward schedule meets it (below)
+        forward = plan_reduce_forward(shape, mesh_shape, src, dst)
+        launches = sum(1 for r in forward.round_sends if any(r))
+        assert max(forward.sends) * F32 >= plan.busiest_bytes and launches >= len(plan.issued), (
+            f"{plan} above the total bound {bound.total}, reduce-forward {forward.sends}")
     if any(s.rounds for s in plan.steps):  # reduce-forward: the least total of a full reduction
         assert plan.total_bytes == reducing_total(shape, mesh_shape, src, dst) * F32, str(plan)
     kept = any(p.is_partial() and p == q for p, q in zip(src, dst))
@@ -75,7 +83,8 @@ def test_plans_from_partial_sources_meet_the_total_bound(case):
         sub = plan_redistribute(shape, F32, drop(mesh_shape, axes), drop(src, axes), drop(dst, axes),
                                 sub_groups(_all_groups(mesh_shape), axes, len(mesh_shape)))
         copies = math.prod(mesh_shape[a] for a in axes)
-        assert plan.exact_total_bytes <= copies * sub.exact_total_bytes, f"{plan} vs kept {sub}"
+        assert plan.exact_total_bytes <= copies * sub.exact_total_bytes or (
+            sub.busiest_bytes >= plan.busiest_bytes and len(sub.issued) >= len(plan.issued)), f"{plan} vs kept {sub}"
         if not any(p.is_partial() and m > 1 for p, m in zip(drop(src, axes), drop(mesh_shape, axes))):
             # nothing left to reduce: the kept sub-plan meets the keep-pending total bound
             assert copies * sub.total_bytes == copies * lower_bound(

@@ -79,24 +79,22 @@ Partial sources (pending reductions)
     and reported against ``busiest``. ``reduce_forward`` chooses greedily and then improves by
     local search, without a proof of optimality.
 
-    The planner puts the total first (``plan.py`` says why). Figures, every flattened group
-    available, Partial(sum) sources, every target over {R, S0, S1, P} other than the source
+    The planner puts the total first, except where that would be slower on every
+    latency-bandwidth network (``plan.py`` says why). Figures, every flattened group available,
+    Partial(sum) sources, every target over {R, S0, S1, P} other than the source
     (``python benchmarks/plan_bound_census.py``): the plan's total, each all_reduce at every
-    rank's own share (``Plan.exact_total_bytes``), is at ``total`` on every one of the 105
-    transitions of (2, 2) and the 2331 of (2, 2, 2), for 8x8 and 7x5 (before the total came
-    first: above it on 0, 1, 115 and 122; before reduce-forward: 8, 9, 758, 783). Counted as
-    ``comm`` counts an all_reduce (its busiest rank's figure on every rank) 1 and 19 of the 7x5
-    plans are above by that rounding. The busiest rank is above ``busiest`` on (2, 2) 8x8 in 0
-    (before reduce-forward: 10), (2, 2) 7x5 in 12 (31), (2, 2, 2) 8x8 in 462 (834), 7x5 in 720
-    (1423); some of these, like the examples, are forced. Within its own family (one first
-    owner per element, two rounds), reduce-forward's busiest rank is at the family's least
-    (a linear program: ``plan_bound_census.py --family``) in 1426 and 1526 of the 1647
-    (2, 2, 2) transitions it applies to, 8x8 and 7x5, and at most 1.06x and 1.10x above it in
-    the others: the rest of the gap to ``busiest`` is the family's, not the search's. Putting the total first raised the
-    busiest rank in 218 of the 4872 transitions (median 1.2x, at most 1.45x: (2, 2, 2) 8x8,
-    (S1, R, P) -> (P, R, P) now keeps axis 2 pending, one all_to_all of 512 B in all and 128 B
-    from the busiest rank, where reduce-forward sent 640 B and 88 B in two) and lowered the
-    total in the same 218.
+    rank's own share (``Plan.exact_total_bytes``), is above ``total`` on (2, 2) in 0 of 105
+    transitions, 8x8 and 7x5, and on (2, 2, 2) in 103 and 69 of 2331 (the session before: 0, 1,
+    115, 122; before reduce-forward: 8, 9, 758, 783). In each of those, every plan the planner
+    found at ``total`` has a busiest rank that sends at least as much in more collectives
+    (tests/test_plan_bound.py checks it against reduce-forward); with the total first and no
+    exception all four were 0. The busiest rank is above ``busiest`` on (2, 2) 8x8 in 0 (before
+    reduce-forward: 10), (2, 2) 7x5 in 12 (31), (2, 2, 2) 8x8 in 462 (834), 7x5 in 720 (1423);
+    some of these, like the examples, are forced. Within its own family (one first owner per
+    element, two rounds), reduce-forward's busiest rank is at the family's least (a linear
+    program: ``plan_bound_census.py --family``) in 1426 and 1526 of the 1647 (2, 2, 2)
+    transitions it applies to, 8x8 and 7x5, and at most 1.06x and 1.10x above it in the
+    others: the rest of the gap to ``busiest`` is the family's, not the search's.
 
 Partial targets
     A Partial target holds the value on the ranks at coordinate 0 of its Partial axes and the

@@ -36,18 +36,19 @@ planned as a transition of their own, run side by side in every slice of the kep
 
 Every candidate is scored the same way: bytes sent by all ranks (an all_reduce at each rank's
 own share, ``collective_bytes``), then by the busiest rank; the lowest wins, ties to the
-axis-by-axis plan. Total first is a choice: the two bounds of ``bound.py`` cannot always be met
-together for Partial sources, and the total is what the network as a whole carries (what
-crosses oversubscribed links and switches); the busiest rank decides among plans of equal
-total. On (2, 2, 2) meshes this takes a plan that sends less in all but more from its busiest
-rank in 218 of 4872 Partial-source transitions (up to 1.45x more; bound.py has the figures).
-The price shows against torch's DTensor, whose plans reduce with one all_reduce: in
-``benchmarks/redistribute.py --meshes 2x2x2 --shapes 8x4,7x5 --sample 0`` shardwise's busiest
-rank sent more than torch's in 19 of the 5,360 transitions both ran (18 of them Partial sources
-on the uneven 7x5: e.g. (S1, S1, P) -> (R, R, P), 168 B against 140 B, while all ranks together
-sent 560 B against 1,008 B), and two all_to_alls can take longer than one all_reduce on small
-tensors. With every flattened group available the chosen plan meets the
-total bound on every transition; without a Partial source its busiest rank meets its bound too.
+axis-by-axis plan, with one exception (``_better``): a reduce-forward or kept plan is not taken
+when its busiest rank sends at least as much as the incumbent's in at least as many collectives
+(one of the two strictly more). Such a plan is no faster on any network whose time is a latency
+per collective plus the busiest rank's bytes over a bandwidth, and slower on most; the bytes it
+saves in all would be paid in time. Total first otherwise: the two bounds of ``bound.py`` cannot
+always be met together for Partial sources, and the total is what the network as a whole
+carries (what crosses oversubscribed links). Measured before the exception (total first
+without it): ``benchmarks/redistribute.py --meshes 2x2x2 --shapes 8x4,7x5 --sample 0`` had
+shardwise's busiest rank above torch's in 19 of 5,360 transitions, and on 1024x1024
+(P, P, R) -> (R, P, R) reduce-forward (24,576 KiB in all, 4,096 KiB busiest, two all_to_alls)
+took 38.7 ms where torch's one all_reduce (32,768 KiB, 4,096 KiB) took 19.8 ms. With every
+flattened group available the chosen plan meets the total bound on every transition without a
+Partial source, and its busiest rank meets its bound too; bound.py has the Partial figures.
 """
 
 from __future__ import annotations
@@ -247,16 +248,26 @@ def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layo
         if candidate < score:
             best, score = steps, candidate
     forward = ctx.reduce_forward(src, dst, score[0])
-    if forward is not None:  # taken when fewer bytes in all, or as many and fewer for the busiest
+    if forward is not None:
         candidate = ctx.score(src, (forward,))
-        if candidate < score:
+        if _better(candidate, score):
             best, score = (forward,), candidate
     pending = _kept_plan(shape, itemsize, mesh_shape, src, dst, flattened)
-    if pending is not None:  # on the same terms
+    if pending is not None:
         candidate = ctx.score(src, pending)
-        if candidate < score:
+        if _better(candidate, score):
             best, score = pending, candidate
     return ctx.priced(src, best)
+
+
+def _better(candidate: tuple[int, int, int], incumbent: tuple[int, int, int]) -> bool:
+    """Whether a plan scored ``candidate`` replaces one scored ``incumbent`` (``_Context.score``):
+    fewer bytes in all, or as many and fewer for the busiest rank; but never a plan whose
+    busiest rank sends at least as much in at least as many collectives (one of them more):
+    it is slower on every network whose time is a latency per collective plus the busiest
+    rank's bytes over a bandwidth, whatever the two, so fewer bytes in all would be paid in time."""
+    slower = candidate[1] >= incumbent[1] and candidate[2] >= incumbent[2] and candidate[1:] != incumbent[1:]
+    return candidate[:2] < incumbent[:2] and not slower
 
 
 def _kept_plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layout,
@@ -428,12 +439,13 @@ class _Context:
             layout = step.apply(layout)
         return tuple(sends)
 
-    def score(self, src: Layout, steps: tuple[Step, ...]) -> tuple[int, int]:
-        """What plans are compared by: bytes of all ranks, then of the busiest, all_reduce at its
-        exact per-rank figure (so that no all_reduce is traded for two collectives over the
-        rounding of its count)."""
+    def score(self, src: Layout, steps: tuple[Step, ...]) -> tuple[int, int, int]:
+        """What plans are compared by (``_better``): bytes of all ranks, of the busiest, and the
+        collectives issued; all_reduce at its exact per-rank figure (so that no all_reduce is
+        traded for two collectives over the rounding of its count)."""
         sends = self.sends(src, steps, exact=True)
-        return sum(sends), max(sends, default=0)
+        launches = sum(max(1, sum(1 for b in s.rounds if b)) for s in steps if s.collective not in _FREE)
+        return sum(sends), max(sends, default=0), launches
 
     def rank_sends(self, layout: Layout, step: Step, exact: bool = False) -> list[int]:
         """Bytes each rank (row-major) sends in ``step`` taken from ``layout``, as ``comm`` counts
