@@ -86,8 +86,9 @@ Partial sources (pending reductions)
     rank's own share (``Plan.exact_total_bytes``), is above ``total`` on (2, 2) in 0 of 105
     transitions, 8x8 and 7x5, and on (2, 2, 2) in 103 and 69 of 2331 (the session before: 0, 1,
     115, 122; before reduce-forward: 8, 9, 758, 783). In each of those, every plan the planner
-    found at ``total`` has a busiest rank that sends at least as much in more collectives
-    (tests/test_plan_bound.py checks it against reduce-forward); with the total first and no
+    found at ``total`` has a busiest rank that sends at least as much as the chosen plan's, in at
+    least as many collectives, one of the two strictly more (tests/test_plan_bound.py checks it
+    against reduce-forward); with the total first and no
     exception all four were 0. The busiest rank is above ``busiest`` on (2, 2) 8x8 in 0 (before
     reduce-forward: 10), (2, 2) 7x5 in 12 (31), (2, 2, 2) 8x8 in 462 (834), 7x5 in 720 (1423);
     some of these, like the examples, are forced. Within its own family (one first owner per
