@@ -123,9 +123,9 @@ def plan_reduce_forward(shape: tuple, mesh_shape: tuple, src: Layout, dst: Layou
             piece.assign(loads, *_choose(loads, owners, classes, wanting, size))
             pieces.append(piece)
             start += size
-    _improve(pieces, loads)
-    _spread(pieces, loads)
-    _improve(pieces, loads)
+    _local_search(pieces, loads, rounds=4)
+    _local_search(pieces, loads, rounds=8, even=True)
+    _local_search(pieces, loads, rounds=4)
     for piece in _merged(pieces):
         for s, members in piece.senders:
             first.append(Transfer(s, piece.f, piece.cell, piece.start, piece.stop, members[0]))
@@ -169,53 +169,42 @@ class _Piece:
             loads[r] += sign * e
 
 
-def _spread(pieces: list[_Piece], loads: list[int], rounds: int = 8) -> None:
-    """Moves that make the loads more even (a smaller sum of squares), whichever ranks they
-    touch: a chain of such moves carries load from the busiest rank to the idlest even when no
-    single move off the busiest rank lowers it."""
+def _local_search(pieces: list[_Piece], loads: list[int], rounds: int, even: bool = False) -> None:
+    """Local search after the greedy pass, which chose before later cells' loads were known:
+    each piece is chosen again (``_move``), large pieces first, for a few sweeps. Lowering the
+    busiest rank (``even`` False) only pieces on it are tried; making the loads even (a smaller
+    sum of squares) every piece is, so a chain of moves can carry load from the busiest rank to
+    the idlest when no single move off the busiest rank lowers it."""
     for _ in range(rounds):
         moved = False
         for piece in sorted(pieces, key=lambda p: p.start - p.stop):
-            old, touched = (piece.f, piece.senders), piece.load()
-            piece.assign(loads, *old, sign=-1)
-            f, senders = _choose(loads, piece.owners, piece.classes, piece.wanting, piece.stop - piece.start, even=True)
-            piece.assign(loads, f, senders)
-            union = set(piece.load()) | set(touched)
-            after = sum(loads[r] ** 2 for r in union)
-            before = sum((loads[r] - piece.load().get(r, 0) + touched.get(r, 0)) ** 2 for r in union)
-            if after >= before:
-                piece.assign(loads, f, senders, sign=-1)
-                piece.assign(loads, *old)
-            else:
-                moved = True
-        if not moved:
-            return
-
-
-def _improve(pieces: list[_Piece], loads: list[int], rounds: int = 4) -> None:
-    """Local search after the greedy pass: take a piece off the busiest rank and choose again
-    for it, kept when the loads of the ranks it touches, largest first, become smaller. Greedy choices made
-    early (before later cells' loads were known) are revisited; a few sweeps suffice."""
-    for _ in range(rounds):
-        moved = False
-        for piece in sorted(pieces, key=lambda p: p.start - p.stop):  # large pieces first
-            top = max(loads)
-            touched = piece.load()
-            if max(loads[r] for r in touched) < top:
+            if not even and max(loads[r] for r in piece.load()) < max(loads):
                 continue
-            old = (piece.f, piece.senders)
-            piece.assign(loads, *old, sign=-1)
-            f, senders = _choose(loads, piece.owners, piece.classes, piece.wanting, piece.stop - piece.start)
-            piece.assign(loads, f, senders)
-            union = set(piece.load()) | set(touched)
-            before = sorted((loads[r] - piece.load().get(r, 0) + touched.get(r, 0) for r in union), reverse=True)
-            if sorted((loads[r] for r in union), reverse=True) >= before and (f, senders) != old:
-                piece.assign(loads, f, senders, sign=-1)
-                piece.assign(loads, *old)
-            else:
-                moved = moved or (f, senders) != old
+            moved = _move(piece, loads, even) or moved
         if not moved:
             return
+
+
+def _move(piece: _Piece, loads: list[int], even: bool) -> bool:
+    """Choose again for ``piece``; the new choice stays when the loads of the ranks it touches
+    become better (``even``: a smaller sum of squares; else smaller, largest first)."""
+    old, touched = (piece.f, piece.senders), piece.load()
+    piece.assign(loads, *old, sign=-1)
+    new = _choose(loads, piece.owners, piece.classes, piece.wanting, piece.stop - piece.start, even=even)
+    piece.assign(loads, *new)
+    if new == old:
+        return False
+    union = set(piece.load()) | set(touched)
+    after = [loads[r] for r in union]
+    before = [loads[r] - piece.load().get(r, 0) + touched.get(r, 0) for r in union]
+    if even:
+        better = sum(x * x for x in after) < sum(x * x for x in before)
+    else:
+        better = sorted(after, reverse=True) < sorted(before, reverse=True)
+    if not better:
+        piece.assign(loads, *new, sign=-1)
+        piece.assign(loads, *old)
+    return better
 
 
 def _merged(pieces: list[_Piece]) -> list[_Piece]:
