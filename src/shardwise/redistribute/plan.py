@@ -63,7 +63,7 @@ from typing import Sequence
 
 from shardwise.collective_bytes import all_reduce_sent
 from shardwise.placement import Partial, Placement, Replicate, Shard
-from shardwise.redistribute.bound import coordinates
+from shardwise.redistribute.bound import coordinates, reducing_total
 from shardwise.redistribute.exchange import plan_exchange, reducible
 from shardwise.redistribute.pending import drop, insert, kept_axes, rest_axes, sub_groups, widen
 from shardwise.redistribute.reduce_forward import forwardable, plan_reduce_forward
@@ -239,8 +239,8 @@ def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layo
     if src == dst:
         return Plan((), (0,) * math.prod(mesh_shape), (0,) * math.prod(mesh_shape))
     ctx = _Context(shape, itemsize, mesh_shape, _partial_ops(src, dst), flattened)
-    candidates = _candidates(ctx, src, dst)
-    return ctx.priced(src, _choose([ctx.score(src, steps) for steps in candidates], candidates))
+    candidates, scores = _candidates(ctx, src, dst)
+    return ctx.priced(src, candidates[_choose(scores)])
 
 
 def plan_candidates(
@@ -258,38 +258,47 @@ def plan_candidates(
     if src == dst:
         return [plan_redistribute(global_shape, itemsize, mesh_shape, src, dst, flattened)]
     ctx = _Context(tuple(global_shape), itemsize, tuple(mesh_shape), _partial_ops(src, dst), groups)
-    return [ctx.priced(src, steps) for steps in _candidates(ctx, src, dst)]
-
-
-def _candidates(ctx: "_Context", src: Layout, dst: Layout) -> list[tuple[Step, ...]]:
-    """The plans weighed: the axis-by-axis path, the exchange routes, the reduce-forward step
-    and the plan keeping reductions pending (each where it applies)."""
-    paths = _search(ctx, src)
-    if dst not in paths:
-        raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(ctx.shape)}")
-    candidates = [paths[dst], *_exchange_routes(ctx, src, dst, paths)]
-    forward = ctx.reduce_forward(src, dst)
-    if forward is not None:
-        candidates.append((forward,))
-    pending = _kept_plan(ctx.shape, ctx.itemsize, ctx.mesh_shape, src, dst, ctx.flattened)
-    if pending is not None:
-        candidates.append(pending)
-    return candidates
+    return [ctx.priced(src, steps) for steps in _candidates(ctx, src, dst)[0]]
 
 
 Score = tuple[int, int, int]  # bytes sent by all ranks, by the busiest, collectives issued
 
 
-def _choose(scores: Sequence[Score], candidates: Sequence[tuple[Step, ...]]) -> tuple[Step, ...]:
-    """The plan with the fewest bytes in all, then for the busiest rank, then the fewest
-    collectives (ties to the earlier candidate), among those no other candidate makes slower.
+def _candidates(ctx: "_Context", src: Layout, dst: Layout) -> tuple[list[tuple[Step, ...]], list[Score]]:
+    """The plans weighed, with their scores: the axis-by-axis path, the exchange routes, the
+    reduce-forward step and the plan keeping reductions pending (each where it applies).
+
+    Reduce-forward is weighed only when it sends no more bytes in all than the plan chosen from
+    the others: saving bytes in all is what it is for, and its schedule (a local search) costs
+    more to plan than all the others together; its total is known without planning it."""
+    paths = _search(ctx, src)
+    if dst not in paths:
+        raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(ctx.shape)}")
+    candidates = [paths[dst], *_exchange_routes(ctx, src, dst, paths)]
+    pending = _kept_plan(ctx.shape, ctx.itemsize, ctx.mesh_shape, src, dst, ctx.flattened)
+    if pending is not None:
+        candidates.append(pending)
+    scores = [ctx.score(src, steps) for steps in candidates]
+    beat = scores[_choose(scores)][0]
+    forward = ctx.reduce_forward(src, dst) if ctx.reducing_total(src, dst) <= beat else None
+    if forward is not None:  # before the kept plan: ties go to the earlier candidate
+        at = len(candidates) - (pending is not None)
+        candidates.insert(at, (forward,))
+        scores.insert(at, ctx.score(src, (forward,)))
+    return candidates, scores
+
+
+def _choose(scores: Sequence[Score]) -> int:
+    """The index of the plan with the fewest bytes in all, then for the busiest rank, then the
+    fewest collectives (ties to the earlier candidate), among those no other candidate makes
+    slower.
 
     A plan is dropped when another one's busiest rank sends at most as much in at most as many
     collectives (one of the two strictly fewer): under any time model of a latency per
     collective plus the busiest rank's bytes over a bandwidth it is never faster and usually
     slower, so the bytes it saves in all would be paid in time."""
     kept = [i for i, s in enumerate(scores) if not any(_dominates(o, s) for o in scores)]
-    return candidates[min(kept, key=lambda i: (scores[i], i))]
+    return min(kept, key=lambda i: (scores[i], i))
 
 
 def _dominates(a: Score, b: Score) -> bool:
@@ -441,6 +450,10 @@ class _Context:
         rounds = tuple(max(r, default=0) * self.itemsize for r in rf.round_sends)
         return Step(group[0], src[group[0]], dst[group[0]], StepKind.ALL_TO_ALL, sum(rounds),
                     group if len(group) > 1 else (), dst, rounds)
+
+    def reducing_total(self, src: Layout, dst: Layout) -> int:
+        """Bytes reduce-forward sends in all, known without planning it (``bound.py``)."""
+        return reducing_total(self.shape, self.mesh_shape, src, dst) * self.itemsize
 
     def group(self, axes: Sequence[int]) -> tuple[int, ...] | None:
         """The smallest group over ``axes``: one axis, or an existing flattened group holding
