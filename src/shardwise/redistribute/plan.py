@@ -243,14 +243,8 @@ def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layo
     return ctx.priced(src, candidates[_choose(scores)])
 
 
-def plan_candidates(
-    global_shape: Sequence[int],
-    itemsize: int,
-    mesh_shape: Sequence[int],
-    src: Sequence[Placement],
-    dst: Sequence[Placement],
-    flattened: Sequence[Sequence[int]] = (),
-) -> list[Plan]:
+def plan_candidates(global_shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], src: Sequence[Placement],
+                    dst: Sequence[Placement], flattened: Sequence[Sequence[int]] = ()) -> list[Plan]:
     """Every plan ``plan_redistribute`` chooses among (same arguments), the axis-by-axis one
     first; for tests and tools that check the choice (``_choose``)."""
     groups = tuple(sorted(tuple(sorted(g)) for g in flattened))
