@@ -84,12 +84,11 @@ Partial sources (pending reductions)
     Partial(sum) sources, every target over {R, S0, S1, P} other than the source
     (``python benchmarks/plan_bound_census.py``): the plan's total, each all_reduce at every
     rank's own share (``Plan.exact_total_bytes``), is above ``total`` on (2, 2) in 0 of 105
-    transitions, 8x8 and 7x5, and on (2, 2, 2) in 103 and 69 of 2331 (the session before: 0, 1,
-    115, 122; before reduce-forward: 8, 9, 758, 783). In each of those, every plan the planner
-    found at ``total`` has a busiest rank that sends at least as much as the chosen plan's, in at
-    least as many collectives, one of the two strictly more (tests/test_plan_bound.py checks it
-    against reduce-forward); with the total first and no
-    exception all four were 0. The busiest rank is above ``busiest`` on (2, 2) 8x8 in 0 (before
+    transitions, 8x8 and 7x5, and on (2, 2, 2) in 111 and 138 of 2331 (before reduce-forward:
+    8, 9, 758, 783). In each of those, every candidate plan with fewer bytes in all has a busiest
+    rank that sends at least as much as some other candidate's, in at least as many collectives,
+    one of the two strictly more (tests/test_plan_bound.py checks it against every candidate,
+    ``plan.plan_candidates``); with the total first and no such filter all four were 0. The busiest rank is above ``busiest`` on (2, 2) 8x8 in 0 (before
     reduce-forward: 10), (2, 2) 7x5 in 12 (31), (2, 2, 2) 8x8 in 462 (834), 7x5 in 720 (1423);
     some of these, like the examples, are forced. Within its own family (one first owner per
     element, two rounds), reduce-forward's busiest rank is at the family's least (a linear

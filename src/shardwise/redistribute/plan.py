@@ -35,15 +35,15 @@ planned as a transition of their own, run side by side in every slice of the kep
 (exchange and reduce-forward steps carry ``kept``).
 
 Every candidate is scored the same way: bytes sent by all ranks (an all_reduce at each rank's
-own share, ``collective_bytes``), then by the busiest rank; the lowest wins, ties to the
-axis-by-axis plan, with one exception (``_better``): a reduce-forward or kept plan is not taken
-when its busiest rank sends at least as much as the incumbent's in at least as many collectives
-(one of the two strictly more). Such a plan is no faster on any network whose time is a latency
-per collective plus the busiest rank's bytes over a bandwidth, and slower on most; the bytes it
-saves in all would be paid in time. Total first otherwise: the two bounds of ``bound.py`` cannot
-always be met together for Partial sources, and the total is what the network as a whole
-carries (what crosses oversubscribed links). Measured before the exception (total first
-without it): ``benchmarks/redistribute.py --meshes 2x2x2 --shapes 8x4,7x5 --sample 0`` had
+own share, ``collective_bytes``), then by the busiest rank, then collectives issued; the lowest
+wins, ties to the axis-by-axis plan, among the candidates that no other candidate makes slower
+(``_choose``): a plan is dropped when another's busiest rank sends at most as much in at most as
+many collectives, one of the two strictly fewer. Such a plan is no faster on any network whose
+time is a latency per collective plus the busiest rank's bytes over a bandwidth, and slower on
+most; the bytes it saves in all would be paid in time. Total first otherwise: the two bounds of
+``bound.py`` cannot always be met together for Partial sources, and the total is what the
+network as a whole carries (what crosses oversubscribed links). Measured with the total first
+and no filter: ``benchmarks/redistribute.py --meshes 2x2x2 --shapes 8x4,7x5 --sample 0`` had
 shardwise's busiest rank above torch's in 19 of 5,360 transitions, and on 1024x1024
 (P, P, R) -> (R, P, R) reduce-forward (24,576 KiB in all, 4,096 KiB busiest, two all_to_alls)
 took 38.7 ms where torch's one all_reduce (32,768 KiB, 4,096 KiB) took 19.8 ms. With every
@@ -69,7 +69,7 @@ from shardwise.redistribute.pending import drop, insert, kept_axes, rest_axes, s
 from shardwise.redistribute.reduce_forward import forwardable, plan_reduce_forward
 from shardwise.spec import local_shape_and_offset
 
-__all__ = ["StepKind", "Step", "Plan", "plan_redistribute"]
+__all__ = ["StepKind", "Step", "Plan", "plan_redistribute", "plan_candidates"]
 
 
 class StepKind(str, enum.Enum):
@@ -239,35 +239,66 @@ def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layo
     if src == dst:
         return Plan((), (0,) * math.prod(mesh_shape), (0,) * math.prod(mesh_shape))
     ctx = _Context(shape, itemsize, mesh_shape, _partial_ops(src, dst), flattened)
+    candidates, scores = _candidates(ctx, src, dst)
+    return ctx.priced(src, candidates[_choose(scores)])
+
+
+def plan_candidates(global_shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], src: Sequence[Placement],
+                    dst: Sequence[Placement], flattened: Sequence[Sequence[int]] = ()) -> list[Plan]:
+    """Every plan ``plan_redistribute`` chooses among (same arguments), the axis-by-axis one
+    first; for tests and tools that check the choice (``_choose``)."""
+    groups = tuple(sorted(tuple(sorted(g)) for g in flattened))
+    src, dst = tuple(src), tuple(dst)
+    if src == dst:
+        return [plan_redistribute(global_shape, itemsize, mesh_shape, src, dst, flattened)]
+    ctx = _Context(tuple(global_shape), itemsize, tuple(mesh_shape), _partial_ops(src, dst), groups)
+    return [ctx.priced(src, steps) for steps in _candidates(ctx, src, dst)[0]]
+
+
+Score = tuple[int, int, int]  # bytes sent by all ranks, by the busiest, collectives issued
+
+
+def _candidates(ctx: "_Context", src: Layout, dst: Layout) -> tuple[list[tuple[Step, ...]], list[Score]]:
+    """The plans weighed, with their scores: the axis-by-axis path, the exchange routes, the
+    reduce-forward step and the plan keeping reductions pending (each where it applies).
+
+    Reduce-forward is weighed only when it sends no more bytes in all than the plan chosen from
+    the others: saving bytes in all is what it is for, and its schedule (a local search) costs
+    more to plan than all the others together; its total is known without planning it."""
     paths = _search(ctx, src)
     if dst not in paths:
-        raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(shape)}")
-    best, score = paths[dst], ctx.score(src, paths[dst])
-    for steps in _exchange_routes(ctx, src, dst, paths):
-        candidate = ctx.score(src, steps)
-        if candidate < score:
-            best, score = steps, candidate
-    forward = ctx.reduce_forward(src, dst, score[0])
-    if forward is not None:
-        candidate = ctx.score(src, (forward,))
-        if _better(candidate, score):
-            best, score = (forward,), candidate
-    pending = _kept_plan(shape, itemsize, mesh_shape, src, dst, flattened)
+        raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(ctx.shape)}")
+    candidates = [paths[dst], *_exchange_routes(ctx, src, dst, paths)]
+    pending = _kept_plan(ctx.shape, ctx.itemsize, ctx.mesh_shape, src, dst, ctx.flattened)
     if pending is not None:
-        candidate = ctx.score(src, pending)
-        if _better(candidate, score):
-            best, score = pending, candidate
-    return ctx.priced(src, best)
+        candidates.append(pending)
+    scores = [ctx.score(src, steps) for steps in candidates]
+    beat = scores[_choose(scores)][0]
+    forward = ctx.reduce_forward(src, dst) if ctx.reducing_total(src, dst) <= beat else None
+    if forward is not None:  # before the kept plan: ties go to the earlier candidate
+        at = len(candidates) - (pending is not None)
+        candidates.insert(at, (forward,))
+        scores.insert(at, ctx.score(src, (forward,)))
+    return candidates, scores
 
 
-def _better(candidate: tuple[int, int, int], incumbent: tuple[int, int, int]) -> bool:
-    """Whether a plan scored ``candidate`` replaces one scored ``incumbent`` (``_Context.score``):
-    fewer bytes in all, or as many and fewer for the busiest rank; but never a plan whose
-    busiest rank sends at least as much in at least as many collectives (one of them more):
-    it is slower on every network whose time is a latency per collective plus the busiest
-    rank's bytes over a bandwidth, whatever the two, so fewer bytes in all would be paid in time."""
-    slower = candidate[1] >= incumbent[1] and candidate[2] >= incumbent[2] and candidate[1:] != incumbent[1:]
-    return candidate[:2] < incumbent[:2] and not slower
+def _choose(scores: Sequence[Score]) -> int:
+    """The index of the plan with the fewest bytes in all, then for the busiest rank, then the
+    fewest collectives (ties to the earlier candidate), among those no other candidate makes
+    slower.
+
+    A plan is dropped when another one's busiest rank sends at most as much in at most as many
+    collectives (one of the two strictly fewer): under any time model of a latency per
+    collective plus the busiest rank's bytes over a bandwidth it is never faster and usually
+    slower, so the bytes it saves in all would be paid in time."""
+    kept = [i for i, s in enumerate(scores) if not any(_dominates(o, s) for o in scores)]
+    return min(kept, key=lambda i: (scores[i], i))
+
+
+def _dominates(a: Score, b: Score) -> bool:
+    """Whether ``a``'s busiest rank sends at most ``b``'s bytes in at most as many collectives,
+    one of the two strictly fewer (totals aside)."""
+    return a[1] <= b[1] and a[2] <= b[2] and a[1:] != b[1:]
 
 
 def _kept_plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layout,
@@ -395,17 +426,16 @@ class _Context:
         return Step(group[0], layout[group[0]], dst[group[0]], StepKind.ALL_TO_ALL, busiest,
                     group if len(group) > 1 else (), dst)
 
-    def reduce_forward(self, src: Layout, dst: Layout, beat: int) -> Step | None:
+    def reduce_forward(self, src: Layout, dst: Layout) -> Step | None:
         """The two-all_to_all step that reduces every element of a Partial source at a rank
-        that needs it, then forwards it (``reduce_forward.py``), or None when it does not apply
-        or sends more bytes in all than ``beat`` (it sends ``bound``'s reducing total)."""
+        that needs it, then forwards it (``reduce_forward.py``), or None when it does not apply."""
         if not forwardable(self.mesh_shape, src, dst) or math.prod(self.mesh_shape) > EXCHANGE_MAX_RANKS:
             return None
         # Axes it must cross: every Partial one, and every one leaving a Shard (each block is
         # held only at its coordinate and needed at others); no group over them, no step.
         crossed = tuple(a for a, (p, q, m) in enumerate(zip(src, dst, self.mesh_shape))
                         if m > 1 and (p.is_partial() or p.is_shard() and p != q))
-        if self.group(crossed) is None or reducing_total(self.shape, self.mesh_shape, src, dst) * self.itemsize > beat:
+        if self.group(crossed) is None:
             return None
         rf = plan_reduce_forward(self.shape, self.mesh_shape, src, dst)
         group = self.group(rf.axes) if rf.axes else None
@@ -414,6 +444,10 @@ class _Context:
         rounds = tuple(max(r, default=0) * self.itemsize for r in rf.round_sends)
         return Step(group[0], src[group[0]], dst[group[0]], StepKind.ALL_TO_ALL, sum(rounds),
                     group if len(group) > 1 else (), dst, rounds)
+
+    def reducing_total(self, src: Layout, dst: Layout) -> int:
+        """Bytes reduce-forward sends in all, known without planning it (``bound.py``)."""
+        return reducing_total(self.shape, self.mesh_shape, src, dst) * self.itemsize
 
     def group(self, axes: Sequence[int]) -> tuple[int, ...] | None:
         """The smallest group over ``axes``: one axis, or an existing flattened group holding
@@ -440,7 +474,7 @@ class _Context:
         return tuple(sends)
 
     def score(self, src: Layout, steps: tuple[Step, ...]) -> tuple[int, int, int]:
-        """What plans are compared by (``_better``): bytes of all ranks, of the busiest, and the
+        """What plans are compared by (``_choose``): bytes of all ranks, of the busiest, and the
         collectives issued; all_reduce at its exact per-rank figure (so that no all_reduce is
         traded for two collectives over the rounding of its count)."""
         sends = self.sends(src, steps, exact=True)

@@ -233,8 +233,9 @@ def _choose(loads: list[int], owners: list[int], classes: list[list[int]], wanti
     the least sum of squares), then the least loaded owner, then the lowest rank; senders the
     least loaded member of their class."""
     best = None
+    least = [min(m, key=loads.__getitem__) for m in classes]  # members ascend: ties to the lowest
     for f in owners:
-        senders = [(min(m, key=lambda r: (loads[r], r)), m) for m in classes if f not in m]
+        senders = [(s, m) for s, m in zip(least, classes) if f not in m]
         fan_out = len(wanting) - (f in wanting)
         after = [loads[f] + fan_out * size] + [loads[s] + size for s, _ in senders]
         spread = sum(x * x - (x - size) ** 2 for x in after[1:]) + after[0] ** 2 - loads[f] ** 2 if even else 0
