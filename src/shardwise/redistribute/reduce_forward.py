@@ -163,8 +163,9 @@ class _Piece:
         return out
 
     def assign(self, loads: list[int], f: int, senders: list[tuple[int, list[int]]], sign: int = 1) -> None:
-        self.f, self.senders = f, senders
-        self.loads = self._load()
+        if f != self.f or senders != self.senders:  # the same choice: the same loads
+            self.f, self.senders = f, senders
+            self.loads = self._load()
         for r, e in self.loads.items():
             loads[r] += sign * e
 
@@ -175,12 +176,15 @@ def _local_search(pieces: list[_Piece], loads: list[int], rounds: int, even: boo
     busiest rank (``even`` False) only pieces on it are tried; making the loads even (a smaller
     sum of squares) every piece is, so a chain of moves can carry load from the busiest rank to
     the idlest when no single move off the busiest rank lowers it."""
+    order = sorted(pieces, key=lambda p: p.start - p.stop)
     for _ in range(rounds):
         moved = False
-        for piece in sorted(pieces, key=lambda p: p.start - p.stop):
-            if not even and max(loads[r] for r in piece.load()) < max(loads):
+        top = max(loads)  # a move that is not kept leaves the loads as they were
+        for piece in order:
+            if not even and max(loads[r] for r in piece.load()) < top:
                 continue
-            moved = _move(piece, loads, even) or moved
+            if _move(piece, loads, even):
+                moved, top = True, max(loads)
         if not moved:
             return
 
