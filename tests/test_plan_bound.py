@@ -3,10 +3,10 @@
 Random meshes up to 3-D, tensors up to 3-D with even, uneven and empty blocks, random layout
 pairs. Without Partial sources every plan sends exactly the total bound, what the ranks lack;
 from a Partial source it sends the least a reduction needs unless every plan that does would be
-slower than another candidate (``plan._choose``). Without Partial sources its busiest rank sends no more than the
-one-round optimum (less only by relaying across steps, never below the any-schedule bound);
-with one, never below the any-schedule bound. The exchange and reduce-forward schedules are
-replayed on in-memory blocks.
+slower than another candidate (``plan._choose``). Without Partial sources its busiest rank
+sends no more than the one-round optimum (less only by relaying across steps, never below the
+any-schedule bound); with one, never below the any-schedule bound. The exchange and
+reduce-forward schedules are replayed on in-memory blocks.
 """
 
 import itertools

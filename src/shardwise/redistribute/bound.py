@@ -88,8 +88,8 @@ Partial sources (pending reductions)
     8, 9, 758, 783). In each of those, every candidate plan with fewer bytes in all has a busiest
     rank that sends at least as much as some other candidate's, in at least as many collectives,
     one of the two strictly more (tests/test_plan_bound.py checks it against every candidate,
-    ``plan.plan_candidates``); with the total first and no such filter all four were 0. The busiest rank is above ``busiest`` on (2, 2) 8x8 in 0 (before
-    reduce-forward: 10), (2, 2) 7x5 in 12 (31), (2, 2, 2) 8x8 in 462 (834), 7x5 in 720 (1423);
+    ``plan.plan_candidates``); with the total first and no such filter all four were 0. The
+    busiest rank is above ``busiest`` on (2, 2) 8x8 in 0 (before reduce-forward: 10), (2, 2) 7x5 in 12 (31), (2, 2, 2) 8x8 in 462 (834), 7x5 in 720 (1423);
     some of these, like the examples, are forced. Within its own family (one first owner per
     element, two rounds), reduce-forward's busiest rank is at the family's least (a linear
     program: ``plan_bound_census.py --family``) in 1426 and 1526 of the 1647 (2, 2, 2)

@@ -181,28 +181,28 @@ class Plan:
     @property
     def collectives(self) -> list[str]:
         """Names of the collectives that move data, in order (free local steps left out)."""
-        names = []
-        for s in self.steps:
-            if s.rounds:
-                names += [s.collective] * sum(1 for b in s.rounds if b)
-            elif s.collective not in _FREE:
-                names.append(s.collective)
-        return names
+        return [kind for kind, _ in self.issued]
 
     @property
     def issued(self) -> list[tuple[StepKind, int]]:
         """Every collective the plan issues with its busiest rank's bytes, in order (a
         reduce-forward step's rounds one by one)."""
-        out = []
-        for s in self.steps:
-            if s.rounds:
-                out += [(s.collective, b) for b in s.rounds if b]
-            elif s.collective not in _FREE:
-                out.append((s.collective, s.bytes_per_rank))
-        return out
+        return _issued(self.steps)
 
     def __str__(self) -> str:
         return "; ".join(map(str, self.steps)) or "no-op"
+
+
+def _issued(steps: Sequence[Step]) -> list[tuple[StepKind, int]]:
+    """``Plan.issued`` of ``steps``: a reduce-forward step's rounds one by one, free steps left
+    out, a round where no rank sends skipped."""
+    out = []
+    for s in steps:
+        if s.rounds:
+            out += [(s.collective, b) for b in s.rounds if b]
+        elif s.collective not in _FREE:
+            out.append((s.collective, s.bytes_per_rank))
+    return out
 
 
 _FREE = (StepKind.LOCAL_CHUNK, StepKind.PARTITION, StepKind.RELABEL, StepKind.RELAYOUT)
@@ -233,8 +233,12 @@ def plan_redistribute(
     Raises:
         ValueError: no path exists (cannot happen for valid layouts; kept as a guard).
     """
-    groups = tuple(sorted(tuple(sorted(g)) for g in flattened))
-    return _plan(tuple(global_shape), itemsize, tuple(mesh_shape), tuple(src), tuple(dst), groups)
+    return _plan(tuple(global_shape), itemsize, tuple(mesh_shape), tuple(src), tuple(dst), _groups(flattened))
+
+
+def _groups(flattened: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """``flattened`` in one canonical order (the plan cache's key)."""
+    return tuple(sorted(tuple(sorted(g)) for g in flattened))
 
 
 @lru_cache(maxsize=4096)
@@ -250,11 +254,10 @@ def plan_candidates(global_shape: Sequence[int], itemsize: int, mesh_shape: Sequ
                     dst: Sequence[Placement], flattened: Sequence[Sequence[int]] = ()) -> list[Plan]:
     """Every plan ``plan_redistribute`` chooses among (same arguments), the axis-by-axis one
     first; for tests and tools that check the choice (``_choose``)."""
-    groups = tuple(sorted(tuple(sorted(g)) for g in flattened))
     src, dst = tuple(src), tuple(dst)
     if src == dst:
         return [plan_redistribute(global_shape, itemsize, mesh_shape, src, dst, flattened)]
-    ctx = _Context(tuple(global_shape), itemsize, tuple(mesh_shape), _partial_ops(src, dst), groups)
+    ctx = _Context(tuple(global_shape), itemsize, tuple(mesh_shape), _partial_ops(src, dst), _groups(flattened))
     return [ctx.priced(src, steps) for steps in _candidates(ctx, src, dst)[0]]
 
 
@@ -481,8 +484,7 @@ class _Context:
         collectives issued; all_reduce at its exact per-rank figure (so that no all_reduce is
         traded for two collectives over the rounding of its count)."""
         sends = self.sends(src, steps, exact=True)
-        launches = sum(max(1, sum(1 for b in s.rounds if b)) for s in steps if s.collective not in _FREE)
-        return sum(sends), max(sends, default=0), launches
+        return sum(sends), max(sends, default=0), len(_issued(steps))
 
     def rank_sends(self, layout: Layout, step: Step, exact: bool = False) -> list[int]:
         """Bytes each rank (row-major) sends in ``step`` taken from ``layout``, as ``comm`` counts
