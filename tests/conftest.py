@@ -16,10 +16,19 @@ fixture is first requested.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 from tests import harness
+
+# The suite starts ~150 Python processes (launchers, jobs, benchmark workers, pool workers).
+# Where the environment forbids writing bytecode (PYTHONDONTWRITEBYTECODE, as on some CI
+# images), each of them would compile shardwise's and the tests' sources again: ~0.2 s of CPU
+# per process for shardwise alone. Compiled once, into the tree's ignored __pycache__
+# directories, they are read by every later process; installed packages (torch) ship theirs.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 @pytest.fixture(scope="session")

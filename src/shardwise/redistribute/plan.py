@@ -474,7 +474,7 @@ class _Context:
         sends = [0] * math.prod(self.mesh_shape)
         layout = src
         for step in steps:
-            for r, b in enumerate(self.rank_sends(layout, step, exact)):
+            for r, b in enumerate(_rank_sends(self, layout, step, exact)):
                 sends[r] += b
             layout = step.apply(layout)
         return tuple(sends)
@@ -499,14 +499,14 @@ class _Context:
         after = step.apply(layout)
         sends = []
         for c in coords:
-            before = local_shape_and_offset(self.shape, self.mesh_shape, c, layout)[0]
+            before = _rank_block_shape(self.shape, self.mesh_shape, layout, c)
             if step.collective == StepKind.ALL_REDUCE and exact:  # each rank at its own figure
                 k = 0
                 for a in step.axes:
                     k = k * self.mesh_shape[a] + c[a]
                 sends.append(all_reduce_sent(math.prod(before), n, k) * self.itemsize)
                 continue
-            after_shape = local_shape_and_offset(self.shape, self.mesh_shape, c, after)[0]
+            after_shape = _rank_block_shape(self.shape, self.mesh_shape, after, c)
             sends.append(self._sent(step.collective, n, before, after_shape) * self.itemsize)
         return sends
 
@@ -579,6 +579,19 @@ class _Context:
 
     def _local_shape(self, layout: Layout, axis: int = 0, index: int = 0) -> tuple[int, ...]:
         return _block_shape(self.shape, self.mesh_shape, layout, axis, index)
+
+
+@lru_cache(maxsize=65536)
+def _rank_sends(ctx: _Context, layout: Layout, step: Step, exact: bool) -> tuple[int, ...]:
+    """``_Context.rank_sends``, cached: candidate plans share steps, and scoring each plan
+    prices every step again."""
+    return tuple(ctx.rank_sends(layout, step, exact))
+
+
+@lru_cache(maxsize=65536)
+def _rank_block_shape(shape: tuple, mesh_shape: tuple, layout: Layout, coordinate: tuple) -> tuple[int, ...]:
+    """Block shape of the rank at ``coordinate``."""
+    return local_shape_and_offset(shape, mesh_shape, coordinate, layout)[0]
 
 
 @lru_cache(maxsize=65536)
