@@ -13,6 +13,7 @@ schedules themselves are replayed on in-memory blocks for random meshes, shapes 
 
 import heapq
 import itertools
+import math
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def _exchange_kind(layout, step):
     return ("exchange", step.axes, step.kept, step.collective, kinds(layout), kinds(step.target))
 
 
-def _covering_pairs(mesh_shape, shape):
+def _covering_pairs(dist, mesh_shape, shape):
     """Few pairs that together take every step of every pair's plan (greedy set cover).
 
     A pair's features: its source, its target, and each step of its plan with the layout it
@@ -54,20 +55,10 @@ def _covering_pairs(mesh_shape, shape):
     it starts from.
     """
     pairs = _all_pairs(mesh_shape)
-    features = []
-    for src, dst in pairs:
-        feats = {("src", src), ("dst", dst)}
-        for flattened in ((), (tuple(range(len(mesh_shape))),)):
-            layout = tuple(src)
-            for step in plan_redistribute(shape, 8, mesh_shape, src, dst, flattened).steps:
-                if step.rounds:
-                    feats.add((layout, "reduce_forward"))
-                elif step.target:
-                    feats.add(_exchange_kind(layout, step))
-                else:
-                    feats.add((layout, step))
-                layout = step.apply(layout)
-        features.append(feats)
+    world = math.prod(mesh_shape)  # the pool's ranks plan a slice of the pairs each, in parallel
+    features: list = [None] * len(pairs)
+    for rank, found in enumerate(dist.run(world, _features, mesh_shape, shape, world, timeout=300)):
+        features[rank::world] = found
     chosen, covered = [], set()
     heap = [(-len(f), i) for i, f in enumerate(features)]
     while heap:  # lazy greedy: a pair's gain only shrinks as more is covered
@@ -80,6 +71,25 @@ def _covering_pairs(mesh_shape, shape):
             covered |= features[i]
     assert covered == set().union(*features)
     return [pairs[i] for i in sorted(chosen)]
+
+
+def _features(mesh_shape, shape, ranks):
+    """``_covering_pairs``'s features of this rank's slice of the pairs (every ``ranks``-th)."""
+    out = []
+    for src, dst in _all_pairs(mesh_shape)[torch.distributed.get_rank()::ranks]:
+        feats = {("src", src), ("dst", dst)}
+        for flattened in ((), (tuple(range(len(mesh_shape))),)):
+            layout = tuple(src)
+            for step in plan_redistribute(shape, 8, mesh_shape, src, dst, flattened).steps:
+                if step.rounds:
+                    feats.add((layout, "reduce_forward"))
+                elif step.target:
+                    feats.add(_exchange_kind(layout, step))
+                else:
+                    feats.add((layout, step))
+                layout = step.apply(layout)
+        out.append(feats)
+    return out
 
 
 def _matrix(mesh_shape, shape, pairs):
@@ -154,7 +164,7 @@ def test_every_placement_pair(dist, mesh_shape, shape):
     world = 1
     for n in mesh_shape:
         world *= n
-    pairs = _all_pairs(mesh_shape) if len(mesh_shape) < 3 else _covering_pairs(mesh_shape, shape)
+    pairs = _all_pairs(mesh_shape) if len(mesh_shape) < 3 else _covering_pairs(dist, mesh_shape, shape)
     out = dist.run(world, _matrix, mesh_shape, shape, pairs, timeout=300)
     assert [pair for pair in out[0] if pair != "flattened"] == pairs
     _check(out, mesh_shape, shape)
