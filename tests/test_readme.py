@@ -8,7 +8,9 @@ blocks run from the repository root. ``pip install`` commands are not re-run her
 environment is such an install; ``.ci/run`` runs them in a fresh virtual environment): their
 torch pin must be the installed torch and their extras must exist. Everything runs with only
 shardwise's declared dependencies importable (``tests/declared_deps.py``), as for a reader who
-followed the README. Skipped blocks are few, give their reason, and get static checks.
+followed the README. Skipped blocks are few, give their reason, and get static checks. Under
+``.ci/run`` the ``ci`` blocks are skipped too, once its README install step has run them as
+written (``CI_BLOCKS_PASSED_ENV``).
 
 A block's job is mostly start-up (a launcher importing torch while its workers wait for it,
 single-process blocks using one core), so the selected blocks run two at a time in the
@@ -41,6 +43,13 @@ RUNNABLE = [b for b in BLOCKS if b.kind != "skip"]
 MAX_SKIPS = 3
 TIMEOUT_S = 240
 CONCURRENT_BLOCKS = 2  # jobs at once: one's start-up overlaps the other's work on 2 cores
+# Set by .ci/run once its README install step has run every 'ci' block exactly as written (in a
+# clean virtual environment, full step counts); the suite then does not run them a second time.
+CI_BLOCKS_PASSED_ENV = "SHARDWISE_README_CI_BLOCKS_PASSED"
+
+
+def _ran_by_ci(block: readme_blocks.Block) -> bool:
+    return block.ci and os.environ.get(CI_BLOCKS_PASSED_ENV) == "1"
 LAUNCH_LINE = {
     "torchrun": "# {n} processes: torchrun --standalone --nproc-per-node {n} example.py",
     "launch": "# {n} processes: python -m shardwise.launch --nproc {n} example.py",
@@ -142,7 +151,7 @@ def block_runs(request, tmp_path_factory):
     runs: dict[int, tuple[list[str], Future]] = {}
     with ThreadPoolExecutor(max_workers=CONCURRENT_BLOCKS, thread_name_prefix="readme-block") as pool:
         for block in RUNNABLE:
-            if block.line in selected and _runnable(block):
+            if block.line in selected and _runnable(block) and not _ran_by_ci(block):
                 cmd, cwd = _block_command(block, tmp_path_factory.mktemp(f"line{block.line}"))
                 runs[block.line] = (cmd, pool.submit(_run, cmd, cwd))
         yield runs
@@ -159,6 +168,8 @@ def test_readme_block_runs(block, block_runs):
             if command.startswith("pip install"):
                 _check_pip(command)
         assert [c for c in commands if not c.startswith("pip install")], f"{block.name}: nothing to run"
+    if _ran_by_ci(block):
+        pytest.skip(f"{block.name}: .ci/run's README install step ran it as written ({CI_BLOCKS_PASSED_ENV}=1)")
     cmd, future = block_runs[block.line]
     status, out = future.result()
     assert status == 0, f"{block.name}\n$ {shlex.join(cmd)}\nexit {status}:\n{out[-5000:]}"
@@ -195,6 +206,10 @@ def test_ci_runs_the_readme_commands():
     assert any("shardwise.train" in b.code for b in ci_blocks) and any("shardwise.demo" in b.code for b in ci_blocks)
     suite = next(b for b in BLOCKS if "python -m pytest" in b.code)
     assert suite.code.strip() in ci, f".ci/run must run the README's test command {suite.code.strip()!r}"
+    # The suite skips the 'ci' blocks only after .ci/run ran them: the variable is exported
+    # after the loop over the blocks, before the test command.
+    exported = ci.index(f"export {CI_BLOCKS_PASSED_ENV}=1")
+    assert ci.index('for block in "$WORK"/blocks/*.sh') < exported < ci.index(suite.code.strip())
 
 
 def test_layout_block_names_existing_files():
