@@ -21,6 +21,16 @@ Source and target without Partial
     which can lower the busiest rank below ``busiest`` but never below ``busiest_any``: the
     larger of ``ceil(total / ranks)`` and, per class C, ``ceil(u(C) / |C|)`` with ``u(C)`` the
     elements of C's block that some rank outside C lacks (each must leave C at least once).
+    A relay need not raise the total: in two rounds a holder sends each element once to one
+    rank that lacks it, which forwards it to the others that lack it; every rank still receives
+    only what it lacks, and the sending spreads over the receivers, down to ``busiest_any`` in
+    many transitions. The planner does not relay a value source: the second collective costs
+    more time than the busiest rank's bytes save. Tried (reduce-forward with one contribution,
+    weighed wherever the busiest rank was above ``busiest_any``), ``benchmarks/redistribute.py
+    --meshes 4,2x2 --reps 3`` changed the plan of 97 of 1,008 transitions and ran them at a
+    median 1.53x the time of the one-collective plans, slower in 76, 1024x1024 included (there
+    the busiest rank sent 25-50% less). For a value source the planner's busiest rank is held
+    to ``busiest``, the one-round optimum.
 
 Partial sources (pending reductions)
     Let ``n`` be the number of contributions of each element (the product of the sizes of the
