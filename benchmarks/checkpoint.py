@@ -220,7 +220,6 @@ def measure(blocks: dict[str, Block], meshes: dict[str, object], base: str, reps
     """Both libraries, repetitions interleaved (the order alternates) so neither gets a warmer disk."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
     sources = {lib: build_state(lib, blocks, mesh, zeros=False) for lib, mesh in meshes.items()}
     times: dict[str, tuple[list, list]] = {lib: ([], []) for lib in meshes}
     written, correct = {lib: 0 for lib in meshes}, {lib: True for lib in meshes}

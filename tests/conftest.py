@@ -41,6 +41,15 @@ def dist():
     harness.shutdown_all()
 
 
+@pytest.fixture(scope="session")
+def reference() -> list[float]:
+    """Losses of the one-process run of the trainer parity tests' base job (``tests/test_train.py``'s
+    ``BASE``), shared by the parity tests of every layout."""
+    from tests.test_train import BASE, one_process_losses
+
+    return list(one_process_losses(tuple(BASE)))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` skip cleanly where no GPU is visible (torch is imported only then)."""
     marked = [item for item in items if item.get_closest_marker("cuda")]

@@ -401,7 +401,10 @@ def _mixed_meshes(compiled: bool):
     b = sw.init_device_mesh("cpu", (2, world // 2))
     x = sw.distribute_tensor(torch.ones(4, 4), a, [Shard(0)])
     y = sw.distribute_tensor(torch.ones(4, 4), b, [Replicate(), Replicate()])
-    fn = (lambda u, v: u + v)
+
+    def fn(u, v):
+        return u + v
+
     if compiled:
         torch._dynamo.reset()
         fn = torch.compile(fn, backend="aot_eager", fullgraph=True)

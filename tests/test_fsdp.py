@@ -438,8 +438,12 @@ def _peak_memory(reshard_after_forward: bool):
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.layers)
     # rounding of uneven shards: a shard has ceil(rows / 4) rows, a gathered block ceil(rows / 4) * 4
-    row_bytes = lambda p: p[0].numel() * p.element_size()
-    ceil_rows = lambda p: -(-p.shape[0] // 4)
+    def row_bytes(p):
+        return p[0].numel() * p.element_size()
+
+    def ceil_rows(p):
+        return -(-p.shape[0] // 4)
+
     shard_round = sum((ceil_rows(p) - p.shape[0] / 4) * row_bytes(p) for p in model.parameters())
     block_round = max(sum((4 * ceil_rows(p) - p.shape[0]) * row_bytes(p) for p in b.parameters()) for b in model.layers)
     pad = shard_round + block_round

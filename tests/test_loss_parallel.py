@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise import DTensor, Replicate, Shard
+from shardwise import Replicate, Shard
 from shardwise.debug import CommDebugMode
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 

@@ -10,7 +10,6 @@ its model this way; its first losses equal a one-process run of the model built 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from shardwise.train import cli

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise import DTensor, Replicate, Shard
+from shardwise import Replicate, Shard
 from shardwise.debug import CommDebugMode
 from shardwise.parallel import SequenceParallel, parallelize_module
 

@@ -54,12 +54,6 @@ def one_process_losses(argv: tuple[str, ...]) -> tuple[float, ...]:
     return tuple(train(job, Runtime.create(job)).losses)
 
 
-@pytest.fixture(scope="module")
-def reference() -> list[float]:
-    """Losses of the one-process run of ``BASE``."""
-    return list(one_process_losses(tuple(BASE)))
-
-
 def _assert_parity(got: list[float], want: list[float], layout: str) -> None:
     assert len(got) == len(want) == STEPS, (layout, got)
     worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))

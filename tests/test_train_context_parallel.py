@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_train import BASE, _assert_parity, _losses, reference  # noqa: F401 (fixture)
+from tests.test_train import BASE, _assert_parity, _losses
 
 LAYOUTS = [
     (8, ["--cp", "2", "--dp-shard", "2", "--tp", "2"]),

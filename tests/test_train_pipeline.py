@@ -18,7 +18,7 @@ import pytest
 from shardwise.parallel.pipeline_split import (num_stages, pipeline_problems, stage_layers, stage_module_paths,
                                                stages_of_rank)
 from shardwise.train.config import JobConfig
-from tests.test_train import BASE, STEPS, _assert_parity, _losses, one_process_losses, reference  # noqa: F401 (fixture)
+from tests.test_train import BASE, STEPS, _assert_parity, _losses, one_process_losses
 
 
 def _with_config(argv: list[str], config: str) -> list[str]:
