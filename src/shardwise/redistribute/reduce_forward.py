@@ -149,6 +149,8 @@ class _Piece:
         self.f = -1
         self.senders: list[tuple[int, list[int]]] = []
         self.loads: dict[int, int] = {}
+        # One owner and one holder per class: no other choice, the local search skips it.
+        self.fixed = len(owners) == 1 and all(len(m) == 1 for m in classes)
 
     def load(self) -> dict[int, int]:
         """Elements each rank sends for this piece under its current choice."""
@@ -176,7 +178,7 @@ def _local_search(pieces: list[_Piece], loads: list[int], rounds: int, even: boo
     busiest rank (``even`` False) only pieces on it are tried; making the loads even (a smaller
     sum of squares) every piece is, so a chain of moves can carry load from the busiest rank to
     the idlest when no single move off the busiest rank lowers it."""
-    order = sorted(pieces, key=lambda p: p.start - p.stop)
+    order = sorted((p for p in pieces if not p.fixed), key=lambda p: p.start - p.stop)
     for _ in range(rounds):
         moved = False
         top = max(loads)  # a move that is not kept leaves the loads as they were
