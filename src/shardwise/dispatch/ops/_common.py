@@ -27,7 +27,8 @@ def aten_ops_tagged(tag: torch.Tag, *, without: tuple[torch.Tag, ...] = ()) -> I
         if not name.startswith("aten::"):
             continue
         base, _, overload = name[6:].partition(".")
-        if tag not in _tags(base, overload):
+        tags = _tags(base, overload)
+        if tags is not None and tag not in tags:
             continue
         packet = getattr(aten, base, None)
         if packet is None:
@@ -40,10 +41,14 @@ def aten_ops_tagged(tag: torch.Tag, *, without: tuple[torch.Tag, ...] = ()) -> I
             yield op
 
 
-def _tags(base: str, overload: str) -> tuple[torch.Tag, ...]:
-    """The tags of ``aten::base.overload`` (none when torch cannot resolve it)."""
+def _tags(base: str, overload: str) -> tuple[torch.Tag, ...] | None:
+    """The tags of ``aten::base.overload`` (none when torch cannot resolve it), or None when
+    this torch cannot read them without building the OpOverload (a private call)."""
+    read = getattr(torch._C, "_get_operation_overload", None)
+    if read is None:
+        return None
     try:
-        found = torch._C._get_operation_overload(f"aten::{base}", overload)
+        found = read(f"aten::{base}", overload)
     except RuntimeError:
         return ()
     return tuple(found[2]) if found is not None else ()
