@@ -46,10 +46,6 @@ CONCURRENT_BLOCKS = 2  # jobs at once: one's start-up overlaps the other's work 
 # Set by .ci/run once its README install step has run every 'ci' block exactly as written (in a
 # clean virtual environment, full step counts); the suite then does not run them a second time.
 CI_BLOCKS_PASSED_ENV = "SHARDWISE_README_CI_BLOCKS_PASSED"
-
-
-def _ran_by_ci(block: readme_blocks.Block) -> bool:
-    return block.ci and os.environ.get(CI_BLOCKS_PASSED_ENV) == "1"
 LAUNCH_LINE = {
     "torchrun": "# {n} processes: torchrun --standalone --nproc-per-node {n} example.py",
     "launch": "# {n} processes: python -m shardwise.launch --nproc {n} example.py",
@@ -63,6 +59,11 @@ def _env() -> dict[str, str]:
     env["PATH"] = os.pathsep.join((os.path.dirname(sys.executable), env.get("PATH", "")))  # `python` is this one
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return blocking_env(env)
+
+
+def _ran_by_ci(block: readme_blocks.Block) -> bool:
+    """A 'ci' block that .ci/run's README install step already ran as written."""
+    return block.ci and os.environ.get(CI_BLOCKS_PASSED_ENV) == "1"
 
 
 def _text(stream: str | bytes | None) -> str:

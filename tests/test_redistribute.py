@@ -161,9 +161,7 @@ def _check(out, mesh_shape, shape):
     [((4,), (8, 12)), ((4,), (5, 7)), ((2, 2), (8, 12)), ((2, 2), (5, 7)), ((2, 2, 2), (8, 12)), ((2, 2, 2), (5, 3))],
 )
 def test_every_placement_pair(dist, mesh_shape, shape):
-    world = 1
-    for n in mesh_shape:
-        world *= n
+    world = math.prod(mesh_shape)
     pairs = _all_pairs(mesh_shape) if len(mesh_shape) < 3 else _covering_pairs(dist, mesh_shape, shape)
     out = dist.run(world, _matrix, mesh_shape, shape, pairs, timeout=300)
     assert [pair for pair in out[0] if pair != "flattened"] == pairs

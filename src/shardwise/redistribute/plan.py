@@ -578,7 +578,9 @@ class _Context:
         return numel - _kept(before, after)  # all_to_all
 
     def _local_shape(self, layout: Layout, axis: int = 0, index: int = 0) -> tuple[int, ...]:
-        return _block_shape(self.shape, self.mesh_shape, layout, axis, index)
+        """Block shape of the rank at ``index`` on ``axis`` and coordinate 0 on the other axes."""
+        coordinate = tuple(index if a == axis else 0 for a in range(len(self.mesh_shape)))
+        return _rank_block_shape(self.shape, self.mesh_shape, layout, coordinate)
 
 
 @lru_cache(maxsize=65536)
@@ -591,14 +593,6 @@ def _rank_sends(ctx: _Context, layout: Layout, step: Step, exact: bool) -> tuple
 @lru_cache(maxsize=65536)
 def _rank_block_shape(shape: tuple, mesh_shape: tuple, layout: Layout, coordinate: tuple) -> tuple[int, ...]:
     """Block shape of the rank at ``coordinate``."""
-    return local_shape_and_offset(shape, mesh_shape, coordinate, layout)[0]
-
-
-@lru_cache(maxsize=65536)
-def _block_shape(shape: tuple, mesh_shape: tuple, layout: Layout, axis: int, index: int) -> tuple[int, ...]:
-    """Block shape of the rank at ``index`` on ``axis`` and coordinate 0 on the other axes."""
-    coordinate = [0] * len(mesh_shape)
-    coordinate[axis] = index
     return local_shape_and_offset(shape, mesh_shape, coordinate, layout)[0]
 
 

@@ -41,14 +41,16 @@ def aten_ops_tagged(tag: torch.Tag, *, without: tuple[torch.Tag, ...] = ()) -> I
             yield op
 
 
+_READ_OVERLOAD = getattr(torch._C, "_get_operation_overload", None)  # (op, op_dk, tags) or None
+
+
 def _tags(base: str, overload: str) -> tuple[torch.Tag, ...] | None:
     """The tags of ``aten::base.overload`` (none when torch cannot resolve it), or None when
     this torch cannot read them without building the OpOverload (a private call)."""
-    read = getattr(torch._C, "_get_operation_overload", None)
-    if read is None:
+    if _READ_OVERLOAD is None:
         return None
     try:
-        found = read(f"aten::{base}", overload)
+        found = _READ_OVERLOAD(f"aten::{base}", overload)
     except RuntimeError:
         return ()
     return tuple(found[2]) if found is not None else ()
