@@ -25,6 +25,7 @@ DTensor); nothing else in shardwise depends on it.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Callable, Sequence
 
 import torch
@@ -164,6 +165,11 @@ class PipelineRunner:
                 "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B}[schedule]
         target = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
         self.schedule = kind(target, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        # The last stage's outputs (a microbatch's logits each) are not needed after their loss:
+        # unless told, torch's schedule keeps every microbatch's until the step ends and then
+        # concatenates them, which on the last stage held twice the logits of a batch.
+        self._step_kwargs = ({"return_outputs": False}
+                             if "return_outputs" in inspect.signature(self.schedule.step).parameters else {})
         for stage in self.stages:
             _count_sends(stage, pp_mesh)
 
@@ -176,8 +182,8 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         if self.has_last:
-            self.schedule.step(*args, target=labels, losses=losses)
+            self.schedule.step(*args, target=labels, losses=losses, **self._step_kwargs)
             values = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in losses]
             return torch.stack([v.detach().float().reshape(()) for v in values]).mean()
-        self.schedule.step(*args)
+        self.schedule.step(*args, **self._step_kwargs)
         return None

@@ -19,7 +19,10 @@ Memory follows from running the microbatches in the schedule's order, each forwa
 * 1f1b: ``min(microbatches, pp - stage)`` forwards first, then one backward and one forward in
   turn: that many in flight at the peak.
 
-Assumed, as torch's stages do: the buffers that receive a neighbour's activations and
+A stage keeps each microbatch's output until that microbatch's backward, as torch's stages do
+(on the last stage that is the logits, which the loss alone would not keep). The real runner
+asks the schedule not to keep the last stage's outputs for returning them (``return_outputs``):
+the loss is all it needs. Assumed, as torch's stages do: the buffers that receive a neighbour's activations and
 gradients are allocated once per microbatch when the stage is built and reused every step (so
 a steady-state step does not allocate them; the real runner's are not counted either), and
 gradients are divided by the number of microbatches in place after the last backward, and (as
@@ -120,14 +123,15 @@ class SimulatedPipeline:
         m = self.microbatches
         in_mbs, label_mbs = inputs.tensor_split(m), labels.tensor_split(m)
         self._buffers(in_mbs[0].shape[0])
-        pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # per microbatch in flight: what its backward starts from, the stage's input, the stage's output
+        pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
         losses: list[torch.Tensor] = []
         order = schedule_order(self.schedule, m, self.num_stages, self.index)
         last_backward = [i for action, i in order if action == "B"][-1]
         for action, i in order:
             if action == "F":
                 x = in_mbs[i] if self.has_first else self._received[i].detach().requires_grad_()
-                out = self.module(x)
+                out = stage_out = self.module(x)
                 if self.has_last:
                     out = self.loss_fn(out, label_mbs[i])
                     losses.append(out.detach())
@@ -137,9 +141,9 @@ class SimulatedPipeline:
                         raise RuntimeError(f"simulated pipeline: stage {self.index} sends {out.dtype}{list(out.shape)}, "
                                            f"the boundary was assumed {expected.dtype}{list(expected.shape)}")
                     self._record_send(out)
-                pending[i] = (out, None if self.has_first else x)
+                pending[i] = (out, None if self.has_first else x, stage_out)
             else:
-                out, x = pending.pop(i)
+                out, x, _ = pending.pop(i)
                 # as the real stages: data-parallel gradients are reduced on the last backward only
                 set_gradient_sync(self.module, i == last_backward)
                 if self.has_last:
