@@ -118,8 +118,9 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
         kept: list[StepMeasurement] = []
         held = {}
         for index in range(2):  # the first creates the optimizer state; the second is measured
-            inputs = torch.empty(shape, dtype=torch.int64, device="meta")
-            labels = torch.empty(shape, dtype=torch.int64, device="meta")
+            # one storage of seq_len + 1 tokens per row, inputs and labels views of it (as ``data.batch_at``)
+            tokens = torch.empty((shape[0], shape[1] + 1), dtype=torch.int64, device="meta")
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
             region = (measure_step(rank, runtime.device, model, optimizer, (inputs, labels),
                                    lambda: held["state"], kept.append)
                       if index == 1 else contextlib.nullcontext())
