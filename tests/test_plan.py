@@ -104,3 +104,20 @@ def test_uneven_bytes_count_the_largest_block():
     assert plan.bytes_per_rank == 3 * 2 * F32
     ctx = _Context((5, 1), F32, (4,), ())
     assert ctx._local_shape((S0,)) == (2, 1)
+
+
+
+@pytest.mark.parametrize("src,dst", [((R, S0), (S0, S0)), ((P, S0), (S0, S0)), ((P, S0), (R, S0))])
+def test_large_meshes_never_count_cells_for_reduce_forward(monkeypatch, src, dst):
+    """Above ``EXCHANGE_MAX_RANKS`` reduce-forward is not weighed, so its total, a count over the
+    ranks times the cells their blocks cut the tensor into, is not computed: on a 64 x 8 mesh it
+    took minutes per transition, and every fully_shard of a 1,024-rank job planned some."""
+    from shardwise.redistribute import plan as plan_module
+
+    counted = []
+    monkeypatch.setattr(plan_module, "reducing_total", lambda *args: counted.append(args[1]) or 0)
+    plan = plan_redistribute((128_257, 4_095), F32, (64, 8), src, dst)
+    assert plan.steps or src == (R, S0)
+    assert counted == []
+    plan_redistribute((128_257, 4_095), F32, (4, 8), src, dst)  # 32 ranks: a Partial source's is weighed
+    assert counted == ([(4, 8)] if src[0] == P else [])

@@ -280,7 +280,8 @@ def _candidates(ctx: "_Context", src: Layout, dst: Layout) -> tuple[list[tuple[S
         candidates.append(pending)
     scores = [ctx.score(src, steps) for steps in candidates]
     beat = scores[_choose(scores)][0]
-    forward = ctx.reduce_forward(src, dst) if ctx.reducing_total(src, dst) <= beat else None
+    weigh = ctx.forward_applies(src, dst) and ctx.reducing_total(src, dst) <= beat
+    forward = ctx.reduce_forward(src, dst) if weigh else None
     if forward is not None:  # before the kept plan: ties go to the earlier candidate
         at = len(candidates) - (pending is not None)
         candidates.insert(at, (forward,))
@@ -432,10 +433,16 @@ class _Context:
         return Step(group[0], layout[group[0]], dst[group[0]], StepKind.ALL_TO_ALL, busiest,
                     group if len(group) > 1 else (), dst)
 
+    def forward_applies(self, src: Layout, dst: Layout) -> bool:
+        """Whether reduce-forward may be weighed: one Partial op, a mesh small enough to plan
+        exchanges on. Checked before its total, whose count grows with the ranks times the
+        cells their blocks cut the tensor into (minutes on a 512-rank mesh)."""
+        return forwardable(self.mesh_shape, src, dst) and math.prod(self.mesh_shape) <= EXCHANGE_MAX_RANKS
+
     def reduce_forward(self, src: Layout, dst: Layout) -> Step | None:
         """The two-all_to_all step that reduces every element of a Partial source at a rank
         that needs it, then forwards it (``reduce_forward.py``), or None when it does not apply."""
-        if not forwardable(self.mesh_shape, src, dst) or math.prod(self.mesh_shape) > EXCHANGE_MAX_RANKS:
+        if not self.forward_applies(src, dst):
             return None
         # Axes it must cross: every Partial one, and every one leaving a Shard (each block is
         # held only at its coordinate and needed at others); no group over them, no step.
