@@ -106,7 +106,6 @@ def test_uneven_bytes_count_the_largest_block():
     assert ctx._local_shape((S0,)) == (2, 1)
 
 
-
 @pytest.mark.parametrize("src,dst", [((R, S0), (S0, S0)), ((P, S0), (S0, S0)), ((P, S0), (R, S0))])
 def test_large_meshes_never_count_cells_for_reduce_forward(monkeypatch, src, dst):
     """Above ``EXCHANGE_MAX_RANKS`` reduce-forward is not weighed, so its total, a count over the

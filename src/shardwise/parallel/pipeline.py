@@ -167,7 +167,7 @@ class PipelineRunner:
         self.schedule = kind(target, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
         # The last stage's outputs (a microbatch's logits each) are not needed after their loss:
         # unless told, torch's schedule keeps every microbatch's until the step ends and then
-        # concatenates them, which on the last stage held twice the logits of a batch.
+        # concatenates them, a result ``step`` never used.
         self._step_kwargs = ({"return_outputs": False}
                              if "return_outputs" in inspect.signature(self.schedule.step).parameters else {})
         for stage in self.stages:

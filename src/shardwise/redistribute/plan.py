@@ -441,9 +441,8 @@ class _Context:
 
     def reduce_forward(self, src: Layout, dst: Layout) -> Step | None:
         """The two-all_to_all step that reduces every element of a Partial source at a rank
-        that needs it, then forwards it (``reduce_forward.py``), or None when it does not apply."""
-        if not self.forward_applies(src, dst):
-            return None
+        that needs it, then forwards it (``reduce_forward.py``), or None without a group over
+        the axes it crosses. Only where ``forward_applies`` (``_candidates`` checks it first)."""
         # Axes it must cross: every Partial one, and every one leaving a Shard (each block is
         # held only at its coordinate and needed at others); no group over them, no step.
         crossed = tuple(a for a, (p, q, m) in enumerate(zip(src, dst, self.mesh_shape))

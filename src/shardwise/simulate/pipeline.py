@@ -22,7 +22,9 @@ Memory follows from running the microbatches in the schedule's order, each forwa
 A stage keeps each microbatch's output until that microbatch's backward, as torch's stages do
 (on the last stage that is the logits, which the loss alone would not keep). The real runner
 asks the schedule not to keep the last stage's outputs for returning them (``return_outputs``):
-the loss is all it needs. Assumed, as torch's stages do: the buffers that receive a neighbour's activations and
+the loss is all it needs.
+
+Assumed, as torch's stages do: the buffers that receive a neighbour's activations and
 gradients are allocated once per microbatch when the stage is built and reused every step (so
 a steady-state step does not allocate them; the real runner's are not counted either), and
 gradients are divided by the number of microbatches in place after the last backward, and (as
