@@ -106,7 +106,7 @@ def local_blocks(model: str, layout: str, rank: int) -> dict[str, Block]:
     import torch
 
     from shardwise import Replicate, Shard
-    from shardwise.spec import local_shape_and_offset
+    from shardwise.core.spec import local_shape_and_offset
 
     out = {}
     for name, (shape, role) in param_shapes(model).items():

@@ -52,9 +52,9 @@ def worker() -> int:
     import torch
     import torch.distributed as dist
 
-    from shardwise import random as sw_random
-    from shardwise.dtensor import DTensor
-    from shardwise.parallel.parallel_dims import ParallelDims
+    from shardwise.tensor import random as sw_random
+    from shardwise.tensor.dtensor import DTensor
+    from shardwise.parallel.dims import ParallelDims
     from shardwise.train.config import get_model_args
     from shardwise.train.parallelize import ParallelOptions, build_llama
 

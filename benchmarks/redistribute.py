@@ -304,7 +304,7 @@ class Bench:
         return {"R": t.Replicate(), "S0": t.Shard(0), "S1": t.Shard(1), "P": t.Partial("sum")}[name]
 
     def expected_block(self, glob, mesh_shape, coord, layout):
-        from shardwise.spec import local_shape_and_offset
+        from shardwise.core.spec import local_shape_and_offset
 
         shape, offset = local_shape_and_offset(
             tuple(glob.shape), mesh_shape, coord, [self.sw_placement(n) for n in layout])
@@ -429,7 +429,7 @@ class Bench:
                                           shape=tuple(shape))
                 t = TDTensor.from_local(block.clone(), t_mesh, [self.torch_placement(n) for n in layout],
                                         run_check=False, shape=torch.Size(shape), stride=glob.stride())
-                from shardwise import blocks as sw_blocks
+                from shardwise.tensor import agreement as sw_blocks
 
                 sw_blocks.settle(sw_mesh)  # from_local's deferred check: not part of a measured run
                 # Both libraries must read the same blocks as the same global tensor.

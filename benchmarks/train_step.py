@@ -30,7 +30,7 @@ cannot run (on CPU it has no SDPA kernel it can shard), its column says n/a, the
 printed under the table, and shardwise's side still runs and is checked against one process.
 
 The pipeline modes split the model by module paths the same way for both libraries
-(``shardwise.parallel.pipeline.split_stage``) and run both through torch.distributed.pipelining
+(``shardwise.parallel.pipeline_parallel.pipeline.split_stage``) and run both through torch.distributed.pipelining
 (``PipelineStage`` and its schedules); only the stages' parallelization differs (shardwise's
 DTensor, FSDP and styles vs torch's).
 
@@ -235,7 +235,7 @@ class Job:
         if self.pp_mesh is not None:  # untimed: every rank gets the last stage's loss
             import torch
 
-            from shardwise.parallel.pipeline import share_loss
+            from shardwise.parallel.pipeline_parallel.pipeline import share_loss
 
             loss = share_loss(loss, self.pp_mesh, torch.device("cpu"))
         value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
@@ -254,9 +254,9 @@ def build_job(lib: str, mode: str, args, meshes: dict, data) -> Job:
     dim_kwargs, opt_kwargs = MODES[mode]
     dims, sw_mesh, t_mesh = meshes[mode]
     api = shardwise_api() if lib == "shardwise" else torch_api()
-    import shardwise.random
+    import shardwise.tensor.random
 
-    shardwise.random.manual_seed(0)  # restarts shardwise's stream too: every build has the same weights
+    shardwise.tensor.random.manual_seed(0)  # restarts shardwise's stream too: every build has the same weights
     model = Transformer(get_model_args(args.config))
     options = ParallelOptions(**opt_kwargs)
     mesh = sw_mesh if lib == "shardwise" else t_mesh
@@ -278,8 +278,8 @@ def _pipeline_job(lib: str, mode: str, model, dims, mesh, sw_mesh, options, api,
     run by torch.distributed.pipelining's schedule."""
     import torch
 
-    from shardwise.parallel.pipeline import PipelineRunner, split_stage
-    from shardwise.parallel.pipeline_split import num_stages, stage_module_paths, stages_of_rank
+    from shardwise.parallel.pipeline_parallel.pipeline import PipelineRunner, split_stage
+    from shardwise.parallel.pipeline_parallel.split import num_stages, stage_module_paths, stages_of_rank
     from shardwise.train.parallelize import parallelize_llama
     from shardwise.train.trainer import loss_fn
 
@@ -337,7 +337,7 @@ class Bench:
     def run_single(self) -> None:
         """The plain model on rank 0 with the whole batch, the others waiting; its losses (the
         same weights, optimizer and data as the modes) go to every rank, the oracle of the cp modes."""
-        import shardwise.random
+        import shardwise.tensor.random
         from shardwise.train.config import get_model_args
         from shardwise.train.data import BatchSource, load_corpus
         from shardwise.train.model import Transformer
@@ -345,7 +345,7 @@ class Bench:
         steps = self.args.warmup + self.args.reps
         times, losses = [], self.torch.zeros(steps, dtype=self.torch.float64)
         if self.rank == 0:
-            shardwise.random.manual_seed(0)  # as build_job: the same weights
+            shardwise.tensor.random.manual_seed(0)  # as build_job: the same weights
             model = Transformer(get_model_args(self.args.config))
             job = Job("single", model, make_optimizer(model.parameters()), contextlib.nullcontext,
                       BatchSource(load_corpus(), self.args.global_batch, self.args.seq_len, 0))

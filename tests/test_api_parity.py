@@ -120,7 +120,7 @@ def test_a_partly_supported_name_exists_where_the_table_says(torch_name, shardwi
 
 @pytest.mark.parametrize("torch_name", [t for t, _, status in ROWS if status == "not yet"])
 def test_a_missing_name_raises_an_error_naming_it_and_probes_stay_sane(torch_name):
-    from shardwise.missing import NotProvidedError, NotProvidedImportError
+    from shardwise.core.missing import NotProvidedError, NotProvidedImportError
 
     module_name, name = _split(torch_name)
     ours = importlib.import_module(MATCHING[module_name])

@@ -22,10 +22,10 @@ from shardwise import Replicate, Shard
 from shardwise.checkpoint import consolidation as consolidate_mod
 from shardwise.checkpoint.flatten import flatten, replace_values
 from shardwise.checkpoint.format import Chunk, Metadata
-from shardwise.checkpoint.plan import (
+from shardwise.checkpoint.assignment import (
     Block, Proposal, assign_writers, full_block, proposed_block, read_plan, split_rows,
 )
-from shardwise.spec import local_shape_and_offset
+from shardwise.core.spec import local_shape_and_offset
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -228,7 +228,7 @@ def test_an_outside_reader_rebuilds_tensors_from_the_documented_format(tmp_path)
 
 def test_ranks_may_save_different_keys_but_agree_on_shared_ones():
     """Pipeline stages hold different modules: each key is written by the ranks that hold it."""
-    from shardwise.checkpoint.plan import merged_declarations
+    from shardwise.checkpoint.assignment import merged_declarations
 
     a, b = {"x": ("F32", (2,)), "s": ("F32", ())}, {"y": ("F32", (3,)), "s": ("F32", ())}
     assert merged_declarations([a, b]) == {"x": ("F32", (2,)), "s": ("F32", ()), "y": ("F32", (3,))}

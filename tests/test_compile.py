@@ -1,4 +1,4 @@
-"""torch.compile of DTensor programs (shardwise/compile.py): compiled equals eager equals one
+"""torch.compile of DTensor programs (shardwise/compile/opaque.py): compiled equals eager equals one
 device, collectives are graph nodes, no graph breaks inside a tensor-parallel block.
 
 The matrix: a TP MLP, a TP+SP Llama block and an FSDP+TP two-block model on 4 ranks, values and
@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-import shardwise.random
+import shardwise.tensor.random
 from shardwise import DTensor, Replicate, Shard
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from shardwise.parallel.parallel_dims import ParallelDims
+from shardwise.parallel.dims import ParallelDims
 from shardwise.train.config import get_model_args
 from shardwise.train.parallelize import ParallelOptions, build_llama
 
@@ -111,7 +111,7 @@ def test_tp_mlp_compiles_with_every_backend(dist):
 
 # ---------------------------------------------------------------------- the trainer's model
 def _model(dims: ParallelDims, mesh, sequence_parallel: bool) -> nn.Module:
-    shardwise.random.manual_seed(0)
+    shardwise.tensor.random.manual_seed(0)
     return build_llama(get_model_args("tiny"), dims, mesh, ParallelOptions(sequence_parallel=sequence_parallel), "cpu")
 
 
@@ -211,7 +211,7 @@ def _graph_collectives() -> dict:
     (CommDebugMode); the block is compiled whole (fullgraph: a graph break raises) into one
     forward graph; then the bucketing of independent small collectives in a compiled gradient
     reduction."""
-    from shardwise import comm_schedule
+    from shardwise.compile import schedule as comm_schedule
     from shardwise.debug import CommDebugMode
 
     world = dist.get_world_size()
@@ -253,7 +253,7 @@ def _reduce_partials(a, b, c, d):
 def _bucketed_reduction(mesh) -> dict:
     """``_reduce_partials`` compiled with the communication pass: the collectives before and
     after bucketing, eager's count, and the gap of the results to eager."""
-    from shardwise import comm_schedule
+    from shardwise.compile import schedule as comm_schedule
     from shardwise.debug import CommDebugMode
 
     rank = dist.get_rank()
@@ -478,7 +478,7 @@ def _two_collective_graph():
 
 
 def test_overlap_pass_issues_early_and_waits_late():
-    from shardwise import comm_schedule
+    from shardwise.compile import schedule as comm_schedule
 
     g = _two_collective_graph()
     before = comm_schedule.census(g)
@@ -491,15 +491,15 @@ def test_overlap_pass_issues_early_and_waits_late():
 
 _LAZY_DYNAMO_PROGRAM = """
 import inspect, sys
-import shardwise, shardwise.fsdp.state, shardwise.parallel.loss
+import shardwise, shardwise.parallel.data_parallel.state, shardwise.parallel.tensor_parallel.loss
 assert "torch._dynamo" not in sys.modules, "import shardwise imported torch._dynamo"
-import shardwise.dtensor as d
+import shardwise.tensor.dtensor as d
 eager_from_local = d._from_local
 import torch._dynamo
 from torch._dynamo import trace_rules
 from torch._dynamo.eval_frame import innermost_fn
 assert d._from_local is not eager_from_local and trace_rules.is_nonstrict_trace_callable(d._from_local)
-hooks = [shardwise.fsdp.state.FSDPState._pre_forward, shardwise.parallel.loss._LossParallel.__enter__]
+hooks = [shardwise.parallel.data_parallel.state.FSDPState._pre_forward, shardwise.parallel.tensor_parallel.loss._LossParallel.__enter__]
 for hook in hooks:
     assert inspect.getattr_static(hook, "_torchdynamo_disable", False), hook
     assert innermost_fn(hook) is not hook, hook
@@ -509,7 +509,7 @@ print("ok")
 
 def test_import_leaves_dynamo_unloaded_and_marks_when_it_loads():
     """``import shardwise`` does not import torch._dynamo (seconds of every process start);
-    the Dynamo markings (shardwise/compile.py) are in place as soon as it is imported."""
+    the Dynamo markings (shardwise/compile/opaque.py) are in place as soon as it is imported."""
     import os
     import subprocess
     import sys

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.parallel.ring_attention import (Mask, SequenceLayout, block_backward, block_forward, chunk_pairs,
+from shardwise.parallel.context_parallel.ring_attention import (Mask, SequenceLayout, block_backward, block_forward, chunk_pairs,
                                                ring_reference)
 
 

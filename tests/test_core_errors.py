@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise import DTensor, Partial, Replicate, Shard
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 
 def _mesh22():
@@ -289,7 +289,7 @@ def _move(x, mesh, placements):
 
 
 def _cross_mesh_moves():
-    from shardwise.mesh import DeviceMesh
+    from shardwise.core.mesh import DeviceMesh
 
     mesh = _mesh22()
     flat = mesh["dp", "tp"].flatten("world")                                  # (4,), same order
@@ -331,7 +331,7 @@ def test_redistribute_moves_between_meshes_over_the_same_ranks(dist):
 
 
 def _cross_mesh_gradient():
-    from shardwise.mesh import DeviceMesh
+    from shardwise.core.mesh import DeviceMesh
 
     mesh = _mesh22()
     reordered = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("a", "b"))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise import DTensor, Shard
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 pytestmark = pytest.mark.cuda
 

@@ -151,7 +151,7 @@ def test_unsupported_op_error_and_opt_in_fallback(dist):
 
 def test_render_call_matches_the_documented_form():
     from shardwise.dispatch import render_call
-    from shardwise.spec import DTensorSpec, TensorMeta
+    from shardwise.core.spec import DTensorSpec, TensorMeta
 
     mesh = sw.DeviceMesh("cpu", [[0, 1, 2, 3], [4, 5, 6, 7]], mesh_dim_names=("dp_shard", "tp"))
     spec = DTensorSpec(mesh, (Shard(0), Replicate()), TensorMeta(torch.Size([2048, 256]), (256, 1), torch.float32))

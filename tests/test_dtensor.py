@@ -126,7 +126,7 @@ RANDOM_LAYOUTS = [[Shard(0), Shard(1)], [Shard(1), Replicate()], [Replicate(), R
 
 def _random_across_layouts(mesh_shape):
     """randn/rand of an uneven (5, 7) tensor in every RANDOM_LAYOUTS layout, each from seed 7."""
-    from shardwise import random as sw_random
+    from shardwise.tensor import random as sw_random
 
     mesh = sw.init_device_mesh("cpu", mesh_shape)
     out = []
@@ -142,7 +142,7 @@ def _random_across_layouts(mesh_shape):
 
 
 def _factories():
-    from shardwise import random as sw_random
+    from shardwise.tensor import random as sw_random
 
     mesh = _mesh22()
     ones_p = sw.ones(4, 2, device_mesh=mesh, placements=[Partial(), Shard(0)])
@@ -158,7 +158,7 @@ def _factories():
 
 
 def test_factories_allocate_blocks_and_random_values_are_layout_independent(dist):
-    from shardwise.random import uniform as sw_uniform
+    from shardwise.tensor.random import uniform as sw_uniform
 
     (single, single_reseeded, _), = dist.run(1, _random_across_layouts, (1, 1))
     want_normal, want_uniform, _ = single[0]

@@ -21,7 +21,7 @@ def _mlp() -> nn.Module:
 
 
 def _explain_tp_mlp():
-    from shardwise import dtensor
+    from shardwise.tensor import dtensor
     from shardwise.dispatch import dispatcher
     from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

@@ -149,7 +149,7 @@ def test_fsdp_matches_single_device_training(dist):
 def test_flat_layout_round_trips_uneven_and_empty_shards():
     """Packing each rank's shards and concatenating (an all_gather) rebuilds every block;
     packing whole gradients and summing each rank's slice (a reduce_scatter) gives the shards."""
-    from shardwise.fsdp.layout import FlatLayout
+    from shardwise.parallel.data_parallel.layout import FlatLayout
 
     shapes, world = [(3,), (7, 2), (1, 3), (8,), (2, 2, 2)], 4
     layout = FlatLayout.build(shapes, world)
@@ -204,7 +204,7 @@ def test_one_all_gather_and_one_reduce_scatter_per_group(dist):
 
 # ---------------------------------------------------------------------- eval, accumulation, SGD
 def _accumulate_and_eval():
-    from shardwise.fsdp.memory import live_bytes
+    from shardwise.parallel.data_parallel.memory import live_bytes
 
     mesh = sw.init_device_mesh("cpu", (4,))
     model = _shard_model(_model(), mesh)
@@ -429,8 +429,8 @@ def _peak_memory(reshard_after_forward: bool):
     the counter is checked against the storages of all gathered parameters. The all_gather
     send/receive buffers are reported separately (``peak_bytes_with_staging``).
     """
-    from shardwise.fsdp.memory import live_bytes
-    from shardwise.fsdp.state import state_of
+    from shardwise.parallel.data_parallel.memory import live_bytes
+    from shardwise.parallel.data_parallel.state import state_of
 
     mesh = sw.init_device_mesh("cpu", (4,))
     torch.manual_seed(0)

@@ -32,7 +32,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as tdist
 
-from shardwise import comm, launch, stall
+from shardwise import comm
+
+from shardwise.launch import launcher as launch
+
+from shardwise.comm import stall
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "tests" / "jobs"

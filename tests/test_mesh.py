@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.mesh import num_cached_groups
+from shardwise.core.mesh import num_cached_groups
 
 
 def _seed_2d_example():

@@ -18,7 +18,7 @@ LAYOUTS = {"fsdp": {"dp_shard": 4}, "tp": {"tp": 4}, "fsdp+tp": {"dp_shard": 2, 
 
 
 def _single_device(args, seed: int) -> dict[str, torch.Tensor]:
-    from shardwise import random as sw_random
+    from shardwise.tensor import random as sw_random
     from shardwise.train.model import Transformer
 
     sw_random.manual_seed(seed)
@@ -27,9 +27,9 @@ def _single_device(args, seed: int) -> dict[str, torch.Tensor]:
 
 def _model_equals_single_device(seed: int) -> dict:
     """Every layout, built on meta then initialized, against the model built whole on this rank."""
-    from shardwise import random as sw_random
-    from shardwise.dtensor import DTensor
-    from shardwise.parallel.parallel_dims import ParallelDims
+    from shardwise.tensor import random as sw_random
+    from shardwise.tensor.dtensor import DTensor
+    from shardwise.parallel.dims import ParallelDims
     from shardwise.train.config import CONFIGS
     from shardwise.train.parallelize import ParallelOptions, build_llama
 
@@ -76,15 +76,15 @@ def _meta_apis(_: int) -> dict:
     from torch import nn
 
     import shardwise
-    from shardwise import random as sw_random
-    from shardwise.api import distribute_tensor
+    from shardwise.tensor import random as sw_random
+    from shardwise.tensor.factories import distribute_tensor
     from shardwise.debug import CommDebugMode
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
     from shardwise.fsdp import fully_shard, replicate
-    from shardwise.mesh import init_device_mesh
-    from shardwise.module_api import distribute_module
+    from shardwise.core.mesh import init_device_mesh
+    from shardwise.tensor.distribute_module import distribute_module
     from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from shardwise.placement import Partial, Replicate, Shard
+    from shardwise.core.placement import Partial, Replicate, Shard
 
     mesh = init_device_mesh("cpu", (4,))
     out: dict = {}
@@ -201,7 +201,7 @@ DEBUG = ["--config", "debug", "--steps", "5", "--global-batch", "4", "--seq-len"
 
 def _built_on_meta(job, runtime):
     """The debug model built on meta, parallelized, then ``to_empty`` + ``init_weights``."""
-    from shardwise import random as sw_random
+    from shardwise.tensor import random as sw_random
     from shardwise.train.model import Transformer
     from shardwise.train.parallelize import ParallelOptions, parallelize_llama
 
@@ -217,7 +217,7 @@ def _built_on_meta(job, runtime):
 
 def _built_whole(job, runtime):
     """The debug model built whole on one device (no meta, no parallelism)."""
-    from shardwise import random as sw_random
+    from shardwise.tensor import random as sw_random
     from shardwise.train.model import Transformer
 
     sw_random.manual_seed(job.seed)

@@ -14,7 +14,7 @@ import shardwise as sw
 from shardwise import DTensor, Partial, Replicate, Shard
 from shardwise.dispatch.ops import attention_cuda
 from shardwise.dispatch.strategy import OpSchema, choose
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 aten = torch.ops.aten
 B, H, L, E = 2, 8, 16, 32

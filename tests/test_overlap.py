@@ -100,8 +100,8 @@ class _Events:
 def _prefetch_run(mode: str):
     """Two training steps of a 3-block stack; the second one's events, values, grads, memory."""
     from shardwise import comm
-    from shardwise.fsdp.memory import UnshardedMemory
-    from shardwise.fsdp.state import state_of
+    from shardwise.parallel.data_parallel.memory import UnshardedMemory
+    from shardwise.parallel.data_parallel.state import state_of
 
     mesh = sw.init_device_mesh("cpu", (4,))
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from shardwise.debug import CommDebugMode
 from shardwise.parallel import (
     ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, RowwiseParallel, parallelize_module,
 )
-from shardwise.parallel.heads import block_sizes
+from shardwise.parallel.tensor_parallel.heads import block_sizes
 from tests.llama_block import Block, rotary_tables
 
 TP = 4

@@ -14,7 +14,7 @@ import shardwise as sw
 from shardwise import DTensor, Partial, Shard
 from shardwise.debug import CommDebugMode
 from shardwise.fsdp import fully_shard, replicate
-from shardwise.mesh import num_cached_groups
+from shardwise.core.mesh import num_cached_groups
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shardwise import Partial, Replicate, Shard
-from shardwise.placement import check_placements
+from shardwise.core.placement import check_placements
 
 
 def test_placements_are_hashable_values():

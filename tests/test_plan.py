@@ -6,7 +6,7 @@ import pytest
 
 from shardwise import Partial, Replicate, Shard
 from shardwise.redistribute import plan_redistribute
-from shardwise.redistribute.plan import _Context
+from shardwise.redistribute.planner import _Context
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 F32 = 4
@@ -111,8 +111,7 @@ def test_large_meshes_never_count_cells_for_reduce_forward(monkeypatch, src, dst
     """Above ``EXCHANGE_MAX_RANKS`` reduce-forward is not weighed, so its total, a count over the
     ranks times the cells their blocks cut the tensor into, is not computed: on a 64 x 8 mesh it
     took minutes per transition, and every fully_shard of a 1,024-rank job planned some."""
-    from shardwise.redistribute import plan as plan_module
-
+    from shardwise.redistribute import planner as plan_module
     counted = []
     monkeypatch.setattr(plan_module, "reducing_total", lambda *args: counted.append(args[1]) or 0)
     plan = plan_redistribute((128_257, 4_095), F32, (64, 8), src, dst)

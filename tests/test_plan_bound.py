@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from shardwise import Partial, Replicate, Shard
 from shardwise.redistribute import plan_redistribute
-from shardwise.redistribute.plan import plan_candidates
+from shardwise.redistribute.planner import plan_candidates
 from shardwise.redistribute.bound import blocks, coordinates, lower_bound, needs_value, reducing_total
 from shardwise.redistribute.exchange import plan_exchange
 from shardwise.redistribute.pending import drop, kept_axes, sub_groups
@@ -284,7 +284,7 @@ def _redistribute_contributions(mesh, shape, src, dst, seed):
     import shardwise as sw
     from shardwise.debug import CommDebugMode
     from shardwise.redistribute.execute import flattened_groups
-    from shardwise.spec import local_shape_and_offset
+    from shardwise.core.spec import local_shape_and_offset
 
     mesh_shape = tuple(mesh.shape)
     coordinate = tuple(mesh.get_coordinate())

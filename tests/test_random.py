@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard
-from shardwise import random as R
+from shardwise.tensor import random as R
 
 N = 1 << 20  # samples for the statistics tests
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]

@@ -8,7 +8,7 @@ import shardwise as sw
 from shardwise import Replicate
 from shardwise.debug import CommDebugMode
 from shardwise.fsdp import replicate
-from shardwise.fsdp.buckets import plan_buckets
+from shardwise.parallel.data_parallel.buckets import plan_buckets
 from tests.test_fsdp import _check_parity, _local_batch, _model, _train
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.simulate.symmetry import ParamLayout, rank_classes
-from shardwise.placement import Replicate, Shard
+from shardwise.core.placement import Replicate, Shard
 
 LAYOUTS = {
     "fsdp": dict(dp_shard=4),
@@ -40,7 +40,7 @@ def _real(layouts: dict, base: dict = JOB) -> dict:
     import torch
     import torch.distributed as dist
 
-    from shardwise.mesh import DeviceMesh
+    from shardwise.core.mesh import DeviceMesh
     from shardwise.train.config import JobConfig
     from shardwise.train.trainer import Runtime, train
 

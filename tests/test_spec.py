@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise import DeviceMesh, DTensorSpec, Partial, Replicate, Shard, TensorMeta
-from shardwise.spec import local_shape_and_offset
+from shardwise.core.spec import local_shape_and_offset
 
 
 def _meta(*shape):

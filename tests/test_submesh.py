@@ -120,7 +120,7 @@ def test_foreach_norm_across_submeshes_and_with_mesh(dist):
 
 
 def test_with_mesh_nests_and_pops_in_order():
-    from shardwise.mesh import current_mesh
+    from shardwise.core.mesh import current_mesh
 
     outer, inner = DeviceMesh("cpu", [0]), DeviceMesh("cpu", [[0]], mesh_dim_names=("a", "b"))
     assert current_mesh() is None

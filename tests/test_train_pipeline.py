@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from shardwise.parallel.pipeline_split import (num_stages, pipeline_problems, stage_layers, stage_module_paths,
+from shardwise.parallel.pipeline_parallel.split import (num_stages, pipeline_problems, stage_layers, stage_module_paths,
                                                stages_of_rank)
 from shardwise.train.config import JobConfig
 from tests.test_train import BASE, STEPS, _assert_parity, _losses, one_process_losses
@@ -147,7 +147,7 @@ def test_meta_fills_advance_the_stream_as_real_fills_do():
     import torch
     from torch import nn
 
-    from shardwise import random as sw_random
+    from shardwise.tensor import random as sw_random
 
     def fills(device: str) -> torch.Tensor:
         sw_random.manual_seed(3)
@@ -167,7 +167,7 @@ def test_stages_run_in_sequence_equal_the_whole_model_and_keep_its_keys():
     """split_stage: the model's own code, modules removed; chained stages give the whole model's logits."""
     import torch
 
-    from shardwise.parallel.pipeline import split_stage
+    from shardwise.parallel.pipeline_parallel.pipeline import split_stage
     from shardwise.train.config import CONFIGS
     from shardwise.train.model import Transformer
 
@@ -225,7 +225,7 @@ def _pipeline_fsdp_step():
     import shardwise as sw
     from shardwise.debug import CommDebugMode
     from shardwise.fsdp import fully_shard, replicate
-    from shardwise.parallel.pipeline import PipelineRunner, split_stage
+    from shardwise.parallel.pipeline_parallel.pipeline import PipelineRunner, split_stage
 
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()

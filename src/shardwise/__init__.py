@@ -3,16 +3,16 @@
 The public names mirror ``torch.distributed.tensor`` so that switching imports is enough.
 """
 
-from shardwise.api import distribute_tensor, empty, full, ones, rand, randn, zeros
-from shardwise.clip_grad import clip_grad_norm_
+from shardwise.tensor.factories import distribute_tensor, empty, full, ones, rand, randn, zeros
+from shardwise.tensor.clip_grad import clip_grad_norm_
 from shardwise.dispatch import allow_replicate_fallback, implicit_replication, register_sharding
-from shardwise.dtensor import DTensor
-from shardwise.mesh import DeviceMesh, init_device_mesh
-from shardwise.module_api import distribute_module
-from shardwise.placement import Partial, Placement, Replicate, Shard
-from shardwise.random import manual_seed
-from shardwise.spec import DTensorSpec, TensorMeta
-from shardwise import serialization as _serialization  # noqa: F401  (torch.load safe globals)
+from shardwise.tensor.dtensor import DTensor
+from shardwise.core.mesh import DeviceMesh, init_device_mesh
+from shardwise.tensor.distribute_module import distribute_module
+from shardwise.core.placement import Partial, Placement, Replicate, Shard
+from shardwise.tensor.random import manual_seed
+from shardwise.core.spec import DTensorSpec, TensorMeta
+from shardwise.tensor import serialization as _serialization  # noqa: F401  (torch.load safe globals)
 
 __all__ = [
     "DeviceMesh", "init_device_mesh",

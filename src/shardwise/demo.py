@@ -13,7 +13,7 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard
 from shardwise.debug import CommDebugMode
-from shardwise.launch import close_process_group, main_or_launch
+from shardwise.launch.launcher import close_process_group, main_or_launch
 
 STEPS = [
     [Replicate(), Replicate()],

@@ -1,5 +1,5 @@
-"""``torch.distributed.device_mesh``'s names (the mesh itself lives in ``shardwise.mesh``)."""
+"""``torch.distributed.device_mesh``'s names (the mesh itself lives in ``shardwise.core.mesh``)."""
 
-from shardwise.mesh import DeviceMesh, init_device_mesh
+from shardwise.core.mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["DeviceMesh", "init_device_mesh"]

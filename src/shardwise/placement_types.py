@@ -1,6 +1,6 @@
-"""``torch.distributed.tensor.placement_types``'s names (placements live in ``shardwise.placement``)."""
+"""``torch.distributed.tensor.placement_types``'s names (placements live in ``shardwise.core.placement``)."""
 
-from shardwise.mesh import DeviceMesh
-from shardwise.placement import Partial, Placement, Replicate, Shard
+from shardwise.core.mesh import DeviceMesh
+from shardwise.core.placement import Partial, Placement, Replicate, Shard
 
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "DeviceMesh"]

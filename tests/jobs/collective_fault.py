@@ -17,7 +17,7 @@ import torch
 from faults import maybe_fail
 
 from shardwise import DeviceMesh, comm, init_device_mesh
-from shardwise.failfast import interrupt_context
+from shardwise.launch.worker import interrupt_context
 
 
 def main() -> None:

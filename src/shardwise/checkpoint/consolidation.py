@@ -15,7 +15,7 @@ import torch
 
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import TensorEntry, name_to_dtype
-from shardwise.checkpoint.plan import Block, full_block
+from shardwise.checkpoint.assignment import Block, full_block
 from shardwise.checkpoint.safetensors_io import TensorSlot, fsync_file, write_file
 from shardwise.checkpoint.source import ChunkReader, open_source
 

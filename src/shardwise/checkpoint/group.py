@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from shardwise import comm
 from shardwise.checkpoint.errors import CheckpointError
-from shardwise.mesh import DeviceMesh
+from shardwise.core.mesh import DeviceMesh
 
 __all__ = ["World", "current_world"]
 

@@ -27,10 +27,10 @@ from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import flatten, replace_values
 from shardwise.checkpoint.format import Metadata, TensorEntry, dtype_to_name
 from shardwise.checkpoint.group import current_world
-from shardwise.checkpoint.plan import Block, full_block, read_plan
+from shardwise.checkpoint.assignment import Block, full_block, read_plan
 from shardwise.checkpoint.source import ChunkReader, Source, open_source
-from shardwise.dtensor import DTensor
-from shardwise.spec import local_shape_and_offset
+from shardwise.tensor.dtensor import DTensor
+from shardwise.core.spec import local_shape_and_offset
 
 __all__ = ["load"]
 

@@ -19,7 +19,7 @@ import torch
 from shardwise.checkpoint.commit import committed_dir
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import METADATA_FILE, Chunk, Metadata, TensorEntry, crc32_of, name_to_dtype
-from shardwise.checkpoint.plan import Block
+from shardwise.checkpoint.assignment import Block
 from shardwise.checkpoint.safetensors_io import open_file
 
 __all__ = ["Source", "open_source", "ChunkReader", "DCP_METADATA_FILE", "HF_INDEX_FILE"]

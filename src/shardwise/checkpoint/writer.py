@@ -32,9 +32,9 @@ from shardwise.checkpoint.format import (
     METADATA_FILE, Chunk, Metadata, TensorEntry, chunk_key, crc32_of, dtype_to_name,
 )
 from shardwise.checkpoint.group import World, current_world
-from shardwise.checkpoint.plan import Block, Proposal, assign_writers, full_block, merged_declarations, proposed_block, split_rows
+from shardwise.checkpoint.assignment import Block, Proposal, assign_writers, full_block, merged_declarations, proposed_block, split_rows
 from shardwise.checkpoint.safetensors_io import TensorSlot, write_file
-from shardwise.dtensor import DTensor
+from shardwise.tensor.dtensor import DTensor
 
 __all__ = ["save", "DEFAULT_MAX_CHUNK_BYTES"]
 

@@ -40,9 +40,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+import shardwise
 from shardwise import comm
-from shardwise.mesh import DeviceMesh
-from shardwise.spec import dtype_name
+from shardwise.core.mesh import DeviceMesh
+from shardwise.core.spec import dtype_name
 
 __all__ = ["check_collectives", "CollectiveMismatch", "CHECK_ENV", "checking", "fingerprint"]
 
@@ -51,7 +52,7 @@ _WIDTH = 384  # bytes per rank in the exchange: compared key, a NUL, then the de
 _KEY_WIDTH = 200
 _ORIGINAL_ISSUE: Callable = comm._issue
 # Frames in these packages are library code, not the call site a user wants to see.
-_SKIPPED_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (comm, torch))  # shardwise/, torch/
+_SKIPPED_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (shardwise, torch))  # shardwise/, torch/
 
 
 class CollectiveMismatch(RuntimeError):

@@ -10,7 +10,7 @@ from shardwise import comm
 from shardwise.debug.context import Cause, current_cause
 from shardwise.debug.counts import CommCounts
 from shardwise.debug.module_tracker import GLOBAL, ModuleInfo, ModuleTracker, Phase, current_phase
-from shardwise.mesh import DeviceMesh
+from shardwise.core.mesh import DeviceMesh
 
 __all__ = ["CommDebugMode", "CommRecord"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shardwise.spec import DTensorSpec
+    from shardwise.core.spec import DTensorSpec
 
 __all__ = ["Cause", "redistributing", "during_op", "current_cause"]
 

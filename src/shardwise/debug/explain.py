@@ -20,7 +20,7 @@ otherwise); ``ex.to_json()`` is the same as JSON text and ``Explanation.from_jso
 back.
 
 Cost: nothing when not explaining. Entering swaps the function ``DTensor.__torch_dispatch__``
-calls (``shardwise.dtensor.dispatch``) for a recording wrapper and adds a collective recorder; leaving puts both back. The
+calls (``shardwise.tensor.dtensor.dispatch``) for a recording wrapper and adds a collective recorder; leaving puts both back. The
 dispatch cache is untouched: the wrapper asks the dispatcher's propagation (a pure, per-rank
 computation on global metadata) for every call it sees, so a cached call is explained like a
 first one.
@@ -43,12 +43,12 @@ from typing import Any, Callable
 import torch
 
 from shardwise import comm
-from shardwise.compile import never_compiled
+from shardwise.compile.opaque import never_compiled
 from shardwise.debug.context import current_cause
 from shardwise.debug.module_tracker import GLOBAL, ModuleTracker, current_phase
 from shardwise.dispatch import walk
-from shardwise.mesh import DeviceMesh
-from shardwise.spec import DTensorSpec, render_layout
+from shardwise.core.mesh import DeviceMesh
+from shardwise.core.spec import DTensorSpec, render_layout
 
 __all__ = ["explain", "Explanation", "OpEntry", "Strategy", "CollectiveEntry"]
 
@@ -193,7 +193,7 @@ class explain:
     def __enter__(self) -> "explain":
         if _ACTIVE:
             raise RuntimeError("shardwise.debug.explain() is already active: explain blocks do not nest")
-        from shardwise import dtensor
+        from shardwise.tensor import dtensor
 
         self.explanation = Explanation(rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         self._tracker = ModuleTracker()
@@ -205,7 +205,7 @@ class explain:
         return self
 
     def __exit__(self, *exc) -> None:
-        from shardwise import dtensor
+        from shardwise.tensor import dtensor
 
         dtensor.dispatch = self._saved
         comm.remove_recorder(self)
@@ -260,7 +260,7 @@ def _recording_dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _dtensors(args: Any, kwargs: dict) -> list:
     """The DTensors among the arguments (or results), in the dispatcher's order (``walk.dtensors``)."""
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     return walk.dtensors(args if isinstance(args, (tuple, list)) else (args,), kwargs, DTensor)
 
@@ -312,7 +312,7 @@ def _candidates(func: Any, args: tuple, kwargs: dict, specs: list, num_outputs: 
     from shardwise.dispatch import propagation, registry
     from shardwise.dispatch.strategy import OpSchema, replicate_all
 
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     schema = OpSchema(func, *walk.spec_tree(args, kwargs, DTensor), tuple(specs))
     registration = registry.lookup(func)

@@ -15,8 +15,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from shardwise.placement import Placement
-from shardwise.spec import local_shape_and_offset
+from shardwise.core.placement import Placement
+from shardwise.core.spec import local_shape_and_offset
 
 __all__ = ["Block", "sharding_blocks", "render_sharding", "sharding_table", "visualize_sharding"]
 

@@ -19,14 +19,14 @@ from typing import Any, Callable
 
 import torch
 
-from shardwise.compile import never_compiled
+from shardwise.compile.opaque import never_compiled
 from shardwise.dispatch import flags, registry, walk
 from shardwise.dispatch.cache import PLANS, registry_version
 from shardwise.dispatch.propagation import Action, OutputPlan, Returns, UnsupportedOp, propagate, with_layouts
 from shardwise.dispatch.strategy import OpSchema
-from shardwise.placement import Replicate
+from shardwise.core.placement import Replicate
 from shardwise.redistribute.execute import redistribute_local
-from shardwise.spec import DTensorSpec, TensorMeta, dtype_name
+from shardwise.core.spec import DTensorSpec, TensorMeta, dtype_name
 
 __all__ = ["dispatch", "render_call", "clear_cache", "cache_info", "implicit_replication", "ImplicitScope", "CACHE_SIZE"]
 
@@ -47,7 +47,7 @@ _put = walk.put
 def _dtensor_cls() -> type:
     global _DTensor, _wrap
     if _DTensor is None:
-        from shardwise.dtensor import DTensor, wrap_block
+        from shardwise.tensor.dtensor import DTensor, wrap_block
 
         _wrap = wrap_block
         _DTensor = DTensor

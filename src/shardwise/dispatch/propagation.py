@@ -25,7 +25,7 @@ from shardwise.dispatch.flags import fallback_enabled
 from shardwise.dispatch.strategy import (
     Candidate, OpSchema, choose, count_specs, expand, partial_axes, pending_reduction, replicate_all,
 )
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 __all__ = [
     "Action", "Returns", "OutputPlan", "propagate", "UnsupportedOp", "fallback_enabled", "allow_replicate_fallback",

@@ -24,9 +24,9 @@ from typing import Any, Callable, Sequence
 import torch  # noqa: F401  (the look-ahead scoring being added uses it)
 
 from shardwise.dispatch import walk
-from shardwise.placement import Placement, Replicate, check_placements
+from shardwise.core.placement import Placement, Replicate, check_placements
 from shardwise.redistribute.execute import plan_for
-from shardwise.spec import DTensorSpec
+from shardwise.core.spec import DTensorSpec
 
 __all__ = ["OpSchema", "Candidate", "AxisCandidate", "expand", "choose", "replicate_all", "pending_reduction", "partial_axes"]
 

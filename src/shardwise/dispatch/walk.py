@@ -5,7 +5,7 @@ cache, swapping DTensors for local blocks or meta tensors, replacing them by the
 finding plain tensors, rendering the call, wrapping the results) walks it here, with one
 semantics: ``torch.utils._pytree``'s. Lists, tuples and dicts are containers, nested to any
 depth; everything else (tensors, DTensors, numbers, None, and the meshes, placements and
-specs that ``shardwise.compile`` registers as pytree constants, which pytree alone would drop)
+specs that ``shardwise.compile.opaque`` registers as pytree constants, which pytree alone would drop)
 is a leaf; leaves come in pytree order, which for a call ``(args, kwargs)`` is the positional arguments depth-first, then the
 keyword arguments in their order. "The DTensors of a call", in every module, means its
 DTensor leaves in that order: the order of ``OpSchema.specs`` and of a candidate's inputs.

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor as TorchDTensor
 
-from shardwise.dtensor import DTensor
+from shardwise.tensor.dtensor import DTensor
 from shardwise.interop.mesh import mesh_from_torch, mesh_to_torch
 from shardwise.interop.placements import placements_from_torch, placements_to_torch
 from shardwise.redistribute.function import FromLocal
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 __all__ = ["to_torch", "from_torch", "module_to_torch", "module_from_torch"]
 
@@ -102,8 +102,8 @@ def _refuse_data_parallel_wrappers(module: nn.Module) -> None:
     the submodule, before anything changes."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-    from shardwise.fsdp.fully_shard import FSDPModule
-    from shardwise.fsdp.replicate import STATE_ATTR
+    from shardwise.parallel.data_parallel.fully_shard import FSDPModule
+    from shardwise.parallel.data_parallel.replicate import STATE_ATTR
 
     for name, sub in module.named_modules():
         owner = ("torch's fully_shard" if isinstance(sub, TorchFSDPModule) else

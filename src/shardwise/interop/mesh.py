@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
-from shardwise.mesh import DeviceMesh, _axis_slices, adopt_group
+from shardwise.core.mesh import DeviceMesh, _axis_slices, adopt_group
 
 __all__ = ["mesh_to_torch", "mesh_from_torch"]
 

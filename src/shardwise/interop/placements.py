@@ -13,7 +13,7 @@ from typing import Sequence
 
 from torch.distributed.tensor import placement_types as tp
 
-from shardwise.placement import Partial, Placement, Replicate, Shard
+from shardwise.core.placement import Partial, Placement, Replicate, Shard
 
 __all__ = ["placements_to_torch", "placements_from_torch", "UnconvertiblePlacement"]
 

@@ -20,11 +20,11 @@ from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from shardwise.dtensor import DTensor
-from shardwise.mesh import DeviceMesh, init_device_mesh
-from shardwise.placement import Placement, Shard, as_placements
+from shardwise.tensor.dtensor import DTensor
+from shardwise.core.mesh import DeviceMesh, init_device_mesh
+from shardwise.core.placement import Placement, Shard, as_placements
 from shardwise.redistribute.function import FromLocal
-from shardwise.spec import DTensorSpec, TensorMeta, contiguous_stride, local_shape_and_offset
+from shardwise.core.spec import DTensorSpec, TensorMeta, contiguous_stride, local_shape_and_offset
 
 __all__ = ["to_sharded_tensor", "from_sharded_tensor"]
 

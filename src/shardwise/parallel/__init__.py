@@ -1,12 +1,12 @@
 """Parallelism as configuration: parallel degrees, module plans and tensor-parallel styles."""
 
-from shardwise.missing import missing_names
-from shardwise.parallel.context import context_parallel, context_parallel_unshard, ring_attention
-from shardwise.parallel.loss import loss_parallel
-from shardwise.parallel.parallel_dims import ParallelDims
-from shardwise.parallel.parallelize import parallelize_module
-from shardwise.parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
-from shardwise.parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from shardwise.core.missing import missing_names
+from shardwise.parallel.context_parallel.context import context_parallel, context_parallel_unshard, ring_attention
+from shardwise.parallel.tensor_parallel.loss import loss_parallel
+from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.tensor_parallel.parallelize import parallelize_module
+from shardwise.parallel.tensor_parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
+from shardwise.parallel.tensor_parallel.style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = [
     "ParallelDims", "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",

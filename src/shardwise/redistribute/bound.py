@@ -131,8 +131,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
-from shardwise.placement import Placement
-from shardwise.spec import local_shape_and_offset
+from shardwise.core.placement import Placement
+from shardwise.core.spec import local_shape_and_offset
 
 __all__ = ["Bound", "lower_bound", "reducing_total", "blocks", "needs_value"]
 

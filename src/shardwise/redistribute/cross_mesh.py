@@ -26,10 +26,10 @@ from functools import lru_cache
 
 import torch
 
-from shardwise.mesh import DeviceMesh
-from shardwise.placement import Placement, Replicate, Shard
-from shardwise.redistribute.plan import plan_redistribute
-from shardwise.spec import DTensorSpec, local_shape_and_offset
+from shardwise.core.mesh import DeviceMesh
+from shardwise.core.placement import Placement, Replicate, Shard
+from shardwise.redistribute.planner import plan_redistribute
+from shardwise.core.spec import DTensorSpec, local_shape_and_offset
 
 __all__ = ["CrossMeshPlan", "plan_cross_mesh", "check_same_ranks", "mesh_ranks"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardwise.placement import Placement
+from shardwise.core.placement import Placement
 from shardwise.redistribute.bound import Box, blocks, coordinates, intersect, needs_value, volume
 
 __all__ = ["Transfer", "Exchange", "plan_exchange", "reducible"]

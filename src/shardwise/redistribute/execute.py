@@ -13,18 +13,19 @@ import math
 
 import torch
 
-from shardwise.compile import tracing
-from shardwise import blocks, comm
-from shardwise import mesh as mesh_module
-from shardwise.mesh import DeviceMesh
-from shardwise.placement import Placement, Replicate, Shard
+from shardwise.compile.opaque import tracing
+from shardwise import comm
+from shardwise.tensor import agreement as blocks
+from shardwise.core import mesh as mesh_module
+from shardwise.core.mesh import DeviceMesh
+from shardwise.core.placement import Placement, Replicate, Shard
 from shardwise.redistribute.bound import coordinates, intersect, needs_value, volume
 from shardwise.redistribute.cross_mesh import plan_cross_mesh
 from shardwise.redistribute.exchange import plan_exchange
 from shardwise.redistribute.pending import drop, lift_transfers
 from shardwise.redistribute.reduce_forward import plan_reduce_forward
-from shardwise.redistribute.plan import Plan, Step, StepKind, plan_redistribute
-from shardwise.spec import DTensorSpec, local_shape_and_offset
+from shardwise.redistribute.planner import Plan, Step, StepKind, plan_redistribute
+from shardwise.core.spec import DTensorSpec, local_shape_and_offset
 
 __all__ = ["plan_for", "redistribute_local"]
 
@@ -100,7 +101,7 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
     A rank outside the mesh holds nothing and returns its (empty) block unchanged. ``dst`` may
     be on another mesh over the same ranks (``cross_mesh``).
     """
-    if blocks.PENDING and not tracing():  # from_local calls not yet confirmed (see shardwise.blocks)
+    if blocks.PENDING and not tracing():  # from_local calls not yet confirmed (see shardwise.tensor.agreement)
         blocks.settle(src.mesh)
         blocks.settle(dst.mesh)
     if src.mesh.get_coordinate() is None:

@@ -19,10 +19,10 @@ from dataclasses import replace
 
 import torch
 
-from shardwise.meta_step import META_STEP
-from shardwise.placement import Partial, Placement, Replicate
+from shardwise.core.meta_step import META_STEP
+from shardwise.core.placement import Partial, Placement, Replicate
 from shardwise.redistribute.execute import redistribute_local
-from shardwise.spec import DTensorSpec
+from shardwise.core.spec import DTensorSpec
 
 __all__ = ["Redistribute", "FromLocal", "ToLocal", "grad_layout"]
 
@@ -46,7 +46,7 @@ def grad_layout(
 
 
 def _dtensor_cls():
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     return DTensor
 

@@ -24,7 +24,7 @@ import math
 from dataclasses import replace
 from typing import Sequence, TypeVar
 
-from shardwise.placement import Placement
+from shardwise.core.placement import Placement
 from shardwise.redistribute.bound import coordinates
 from shardwise.redistribute.exchange import Transfer
 

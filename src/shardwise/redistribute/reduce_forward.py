@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from shardwise.placement import Placement
+from shardwise.core.placement import Placement
 from shardwise.redistribute.bound import Box, blocks, cells, contains, coordinates, needs_value, volume
 from shardwise.redistribute.exchange import Transfer
 

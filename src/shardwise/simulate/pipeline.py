@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.parallel.pipeline import set_gradient_sync
+from shardwise.parallel.pipeline_parallel.pipeline import set_gradient_sync
 
 __all__ = ["SIMULATED_SCHEDULES", "SimulatedPipeline", "schedule_order", "boundary_meta"]
 

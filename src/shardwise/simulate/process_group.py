@@ -38,7 +38,8 @@ def _register() -> None:
 
 def reset_shardwise_state() -> None:
     """Forget every cached process group and the decisions taken with them."""
-    from shardwise import comm, mesh
+    from shardwise import comm
+    from shardwise.core import mesh
     from shardwise.dispatch import dispatcher
 
     mesh._GROUPS.clear()

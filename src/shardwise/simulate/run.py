@@ -56,7 +56,7 @@ def _on_meta() -> Iterator[None]:
     """Let the step run on meta parameters: fully_shard/replicate forward, data-dependent masks."""
     import torch.fx.experimental._config as fx_config
 
-    from shardwise.meta_step import META_STEP
+    from shardwise.core.meta_step import META_STEP
 
     token = META_STEP.set(True)
     before = fx_config.meta_nonzero_assume_all_nonzero
@@ -92,11 +92,11 @@ def _fused_sdpa(fallback):
 def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
     """Simulate ``job``'s steady-state step as ``rank``; return its measurement and the model's
     parameter layouts (to group the other ranks by)."""
-    from shardwise.mesh import DeviceMesh
+    from shardwise.core.mesh import DeviceMesh
     from shardwise.train.metrics import state_bytes
     from shardwise.simulate.pipeline import SimulatedPipeline, boundary_meta
     from shardwise.train.trainer import Runtime, build_model, build_optimizer, build_pipeline, loss_fn, train_step
-    from shardwise import random as sw_random
+    from shardwise.tensor import random as sw_random
 
     with simulated_world(rank, job.nproc):
         dims = job.parallel_dims()

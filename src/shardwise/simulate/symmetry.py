@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from shardwise.placement import Placement
-from shardwise.spec import local_shape_and_offset
+from shardwise.core.placement import Placement
+from shardwise.core.spec import local_shape_and_offset
 
 __all__ = ["ParamLayout", "DISTINCT_AXES", "rank_classes", "layouts_of"]
 

@@ -27,7 +27,7 @@ import contextlib
 import os
 import sys
 
-from shardwise.launch import main_or_launch, under_launcher
+from shardwise.launch.launcher import main_or_launch, under_launcher
 from shardwise.train.config import COMPILE_BACKENDS, CONFIGS, ConfigError, JobConfig, describe_config, is_lead_process
 from shardwise.train.run_lock import RunLockError, hold_for_run
 

@@ -19,8 +19,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 
 from shardwise.checkpoint.errors import CheckpointError
-from shardwise.launch import under_launcher
-from shardwise.parallel.parallel_dims import ParallelDims
+from shardwise.launch.launcher import under_launcher
+from shardwise.parallel.dims import ParallelDims
 from shardwise.train.checkpointing import ResumePoint, latest_checkpoint
 from shardwise.train.data import corpus_files
 from shardwise.train.run_lock import RunLockError, check_not_in_use
@@ -173,7 +173,7 @@ class JobConfig:
             ops and collectives become one graph; data-parallel hooks run between graphs).
         compile_backend: the ``torch.compile`` backend for ``compile`` (inductor, aot_eager, eager;
             "inductor+comm" / "aot_eager+comm" also bucket and overlap the collectives of each
-            compiled block, see ``shardwise.comm_schedule``).
+            compiled block, see ``shardwise.compile.schedule``).
         device: "cpu", "cuda", or "auto" (cuda when available).
         log_every: steps between progress lines.
         plot: write the loss curve to this PNG file.
@@ -377,7 +377,7 @@ class JobConfig:
 
     def _check_pipeline(self, model: ModelArgs, dims: ParallelDims) -> None:
         """Pipeline flags: stages of equally many layers, microbatches that split each rank's batch."""
-        from shardwise.parallel.pipeline_split import SCHEDULES, pipeline_problems
+        from shardwise.parallel.pipeline_parallel.split import SCHEDULES, pipeline_problems
 
         if dims.pp == 1:
             used = [f for f, on in (("--pp-schedule", self.pp_schedule != "1f1b"),

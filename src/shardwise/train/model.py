@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.random import layout_independent
+from shardwise.tensor.random import layout_independent
 from shardwise.train.config import ModelArgs
 
 __all__ = ["Attention", "FeedForward", "TransformerBlock", "Transformer", "rotary_table", "apply_rotary"]
@@ -149,7 +149,7 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Draw every parameter from shardwise's layout-independent stream; recompute the rotary table.
 
-        Seed with ``torch.manual_seed`` / ``shardwise.random.manual_seed`` on every rank first.
+        Seed with ``torch.manual_seed`` / ``shardwise.tensor.random.manual_seed`` on every rank first.
         The values depend on the seed only, not on the layout: the model built whole on one
         device and the same model built on the meta device, parallelized (TP, FSDP, both),
         ``to_empty``'d and initialized here hold the same parameters (every rank draws only its
@@ -172,7 +172,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [bs, seqlen, vocab] for token ids [bs, seqlen].
 
-        A pipeline stage (``shardwise.parallel.pipeline``) has some of the modules set to None
+        A pipeline stage (``shardwise.parallel.pipeline_parallel.pipeline``) has some of the modules set to None
         and blocks removed: it takes and returns the hidden states [bs, seqlen, dim] where it
         has no embedding / no output layer.
         """

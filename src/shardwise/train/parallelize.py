@@ -32,7 +32,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from shardwise.parallel.parallel_dims import ParallelDims
+from shardwise.parallel.dims import ParallelDims
 from shardwise.train.config import ModelArgs
 from shardwise.train.model import Transformer
 
@@ -71,9 +71,9 @@ class ParallelAPI:
 
 def shardwise_api() -> ParallelAPI:
     """shardwise's parallel APIs (imported on first use)."""
-    import shardwise.fsdp as fsdp
+    import shardwise.parallel.data_parallel as fsdp
     import shardwise.parallel as parallel
-    import shardwise.placement as placements
+    import shardwise.core.placement as placements
 
     return ParallelAPI.from_namespaces(parallel, placements, fsdp, getattr(fsdp, "replicate", None))
 
@@ -129,7 +129,7 @@ def build_llama(args: ModelArgs, dims: ParallelDims, world_mesh, options: Parall
                 device: torch.device | str, *, materialize: bool = True) -> nn.Module:
     """A parallelized ``Transformer`` that no rank ever held whole: meta -> parallelize -> to_empty -> init.
 
-    Seed first (``shardwise.random.manual_seed``, the same on every rank): the parameters then
+    Seed first (``shardwise.tensor.random.manual_seed``, the same on every rank): the parameters then
     equal those of ``Transformer(args)`` built on one device after the same seed.
 
     Args:
@@ -140,7 +140,7 @@ def build_llama(args: ModelArgs, dims: ParallelDims, world_mesh, options: Parall
             DTensor of meta blocks) of its final layout, nothing allocated.
 
     Example:
-        >>> shardwise.random.manual_seed(0)
+        >>> shardwise.tensor.random.manual_seed(0)
         >>> model = build_llama(CONFIGS["debug"], dims, dims.build_mesh(), ParallelOptions(), "cpu")
     """
     with torch.device("meta"):
@@ -180,9 +180,9 @@ def build_llama_stages(args: ModelArgs, dims: ParallelDims, world_mesh, options:
     parameter gets the value it has on one device. ``materialize=False`` stops after
     parallelizing (meta blocks, nothing allocated: a simulation).
     """
-    from shardwise.parallel.pipeline import split_stage
-    from shardwise.parallel.pipeline_split import num_stages, stage_module_paths, stages_of_rank
-    from shardwise.random import meta_fills_advance
+    from shardwise.parallel.pipeline_parallel.pipeline import split_stage
+    from shardwise.parallel.pipeline_parallel.split import num_stages, stage_module_paths, stages_of_rank
+    from shardwise.tensor.random import meta_fills_advance
 
     with torch.device("meta"):
         whole = Transformer(args)
@@ -279,13 +279,13 @@ def apply_compile(model: nn.Module, backend: str) -> None:
 def compile_backend(name: str) -> Any:
     """What ``torch.compile`` takes for a backend name: the name itself, or for "<base>+comm"
     the backend ``base`` with shardwise's communication pass (bucketing and overlap, see
-    ``shardwise.comm_schedule``) over every compiled graph."""
+    ``shardwise.compile.schedule``) over every compiled graph."""
     base, plus, extra = name.partition("+")
     if not plus:
         return name
     if extra != "comm":
         raise ValueError(f"compile backend {name!r}: the only suffix is '+comm'")
-    from shardwise import comm_schedule
+    from shardwise.compile import schedule as comm_schedule
 
     return comm_schedule.backend(base)
 

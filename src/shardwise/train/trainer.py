@@ -16,7 +16,7 @@ started without a launcher). Steps:
    every ``--checkpoint-every`` steps and after the last one; progress every ``log_every``
    steps and a summary at the end (rank 0), the loss curve and metrics file.
 
-How a job stops early (``shardwise.failfast`` does the ending; see there):
+How a job stops early (``shardwise.launch.worker`` does the ending; see there):
 
 * a non-finite loss: checked at every progress, checkpoint and last step from the first
   non-finite step of any rank (one all_reduce, so every rank stops at the same step and none
@@ -44,13 +44,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise import comm
-from shardwise import random as sw_random
+from shardwise.tensor import random as sw_random
 from shardwise.checkpoint.errors import CheckpointError
-from shardwise.clip_grad import clip_grad_norm_
-from shardwise.failfast import interrupt_context
-from shardwise.launch import close_process_group, under_launcher
-from shardwise.parallel.parallel_dims import ParallelDims
-from shardwise.parallel.pipeline import share_loss
+from shardwise.tensor.clip_grad import clip_grad_norm_
+from shardwise.launch.worker import interrupt_context
+from shardwise.launch.launcher import close_process_group, under_launcher
+from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.pipeline_parallel.pipeline import share_loss
 from shardwise.train.checkpointing import Checkpointer, TrainState, latest_checkpoint, make_checkpointer
 from shardwise.train.config import ConfigError, JobConfig, params_label
 from shardwise.train.data import BatchSource, load_corpus
@@ -126,7 +126,7 @@ class Runtime:
         comm.set_collective_timeout(job.collective_timeout)  # also the groups the meshes create
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=comm.collective_timeout())
-        from shardwise.mesh import DeviceMesh
+        from shardwise.core.mesh import DeviceMesh
 
         world = dist.get_world_size()
         flat = DeviceMesh(device_type, list(range(world)), mesh_dim_names=("world",))
@@ -229,7 +229,7 @@ def build_pipeline(job: JobConfig, runtime: Runtime, materialize: bool = True):
     stages; ``names`` are the whole model's parameter names (for the optimizer's checkpoint).
     ``materialize=False`` (a simulation): meta blocks, and the stages run on meta tensors.
     """
-    from shardwise.parallel.pipeline import PipelineRunner
+    from shardwise.parallel.pipeline_parallel.pipeline import PipelineRunner
     from shardwise.train.parallelize import build_llama_stages
 
     sw_random.manual_seed(job.seed)

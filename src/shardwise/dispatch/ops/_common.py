@@ -9,9 +9,9 @@ import torch
 from shardwise.dispatch import walk
 from shardwise.dispatch.cache import PLANS
 from shardwise.dispatch.strategy import Candidate, OpSchema, choose
-from shardwise.placement import Placement, Replicate, Shard
+from shardwise.core.placement import Placement, Replicate, Shard
 from shardwise.redistribute.execute import redistribute_local
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 aten = torch.ops.aten
 R = Replicate()
@@ -123,26 +123,26 @@ def meta_of(value: Any) -> Any:
     return value
 
 
-_DTENSOR: list = []  # [DTensor, wrap_block], imported on first use (shardwise.dtensor imports dispatch)
+_DTENSOR: list = []  # [DTensor, wrap_block], imported on first use (shardwise.tensor.dtensor imports dispatch)
 
 
 def dtensor_cls() -> type:
     """The DTensor class, without an import statement per call (handlers run per op)."""
     if not _DTENSOR:
-        from shardwise.dtensor import DTensor, wrap_block
+        from shardwise.tensor.dtensor import DTensor, wrap_block
 
         _DTENSOR[:] = [DTensor, wrap_block]
     return _DTENSOR[0]
 
 
 def wrap_block() -> Callable[[torch.Tensor, DTensorSpec], Any]:
-    """``shardwise.dtensor.wrap_block``: for runners that wrap blocks on every call."""
+    """``shardwise.tensor.dtensor.wrap_block``: for runners that wrap blocks on every call."""
     dtensor_cls()
     return _DTENSOR[1]
 
 
 def new_dtensor(local: torch.Tensor, spec: DTensorSpec) -> Any:
-    """``DTensor(local, spec, requires_grad=False)``, the fast way (``shardwise.dtensor.wrap_block``)."""
+    """``DTensor(local, spec, requires_grad=False)``, the fast way (``shardwise.tensor.dtensor.wrap_block``)."""
     if not _DTENSOR:
         dtensor_cls()
     return _DTENSOR[1](local, spec)
@@ -154,6 +154,6 @@ def make_spec(mesh: Any, placements: tuple[Placement, ...], meta: torch.Tensor) 
 
 def wrap_local(local: torch.Tensor, mesh: Any, placements: tuple[Placement, ...], meta: torch.Tensor) -> Any:
     """A DTensor of ``local`` blocks whose global metadata is the meta tensor ``meta``'s."""
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     return DTensor(local, make_spec(mesh, placements, meta), requires_grad=False)

@@ -40,8 +40,8 @@ from shardwise.dispatch.ops._common import R, aten, broadcast_dim, cached_choice
 from shardwise.dispatch.ops.norm import linear_partial_ops, spec_arguments
 from shardwise.dispatch.registry import register_custom_handler
 from shardwise.dispatch.strategy import Candidate, OpSchema, expand
-from shardwise.placement import Partial, Placement, Shard
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.placement import Partial, Placement, Shard
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 __all__ = ["flash_forward", "flash_backward", "attention_handler"]
 
@@ -132,7 +132,7 @@ def flash_backward(schema: OpSchema) -> list[Candidate]:
 # ---------------------------------------------------------------------- running the kernels
 def _schema_of(op: Any, args: tuple, kwargs: dict) -> tuple[OpSchema, list[Any]]:
     """The call as the propagator sees it (specs in place of DTensors), and its DTensors."""
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     found = walk.labelled(args, kwargs)
     plain = [where for where, v in found if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)]
@@ -162,7 +162,7 @@ def attention_handler(make: Callable[[OpSchema], list[Candidate]], like: tuple[s
     lengths) are passed through from the local kernel; tensor outputs become DTensors."""
 
     def handler(op: Any, args: tuple, kwargs: dict) -> tuple:
-        from shardwise.dtensor import DTensor
+        from shardwise.tensor.dtensor import DTensor
 
         schema, dtensors = _schema_of(op, args, kwargs)
         key = (op, schema.args, schema.kwargs)

@@ -32,7 +32,7 @@ from shardwise.dispatch.ops.attention import _finish, _layout, _scores_shape, at
 from shardwise.dispatch.ops.norm import linear_partial_ops, spec_arguments
 from shardwise.dispatch.registry import register_custom_handler
 from shardwise.dispatch.strategy import Candidate, OpSchema
-from shardwise.placement import Partial, Placement, Shard
+from shardwise.core.placement import Partial, Placement, Shard
 
 __all__ = ["cuda_attention_ops"]
 

@@ -19,8 +19,8 @@ from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.ops.norm import spec_arguments
 from shardwise.dispatch.registry import register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, OpSchema
-from shardwise.placement import Partial, Shard
-from shardwise.spec import DTensorSpec
+from shardwise.core.placement import Partial, Shard
+from shardwise.core.spec import DTensorSpec
 
 _SUM = Partial("sum")
 

@@ -14,7 +14,7 @@ from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.ops.view import dim_map_candidates, partials
 from shardwise.dispatch.registry import register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, OpSchema
-from shardwise.placement import Shard
+from shardwise.core.placement import Shard
 
 __all__ = ["view_as_complex_strategy", "view_as_real_strategy", "conj_strategy"]
 

@@ -37,8 +37,8 @@ from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.ops.matmul import AxisRow, axis_product, linear_partial_ops, moves_data, tensor_roles
 from shardwise.dispatch.registry import register_strategy
 from shardwise.dispatch.strategy import Candidate, OpSchema
-from shardwise.placement import Partial, Shard
-from shardwise.spec import DTensorSpec, local_shape_and_offset
+from shardwise.core.placement import Partial, Shard
+from shardwise.core.spec import DTensorSpec, local_shape_and_offset
 
 __all__ = ["convolution_rows", "convolution_backward_rows"]
 

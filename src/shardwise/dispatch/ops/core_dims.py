@@ -31,8 +31,8 @@ import torch
 from shardwise.dispatch import walk
 from shardwise.dispatch.ops._common import R
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema
-from shardwise.placement import Partial, Placement, Shard
-from shardwise.spec import DTensorSpec, local_shape_and_offset
+from shardwise.core.placement import Partial, Placement, Shard
+from shardwise.core.spec import DTensorSpec, local_shape_and_offset
 
 __all__ = ["output_shapes", "batch_axis_candidates", "aligned_axis_candidates", "linear_partials", "without_empty_blocks"]
 

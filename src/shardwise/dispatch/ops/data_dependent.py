@@ -22,7 +22,7 @@ import torch
 from shardwise.dispatch import walk
 from shardwise.dispatch.ops._common import R, aten, local_block
 from shardwise.dispatch.registry import allow_plain_indices, register_custom_handler
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 __all__ = ["run_replicated"]
 
@@ -38,7 +38,7 @@ _DATA_DEPENDENT = [
 
 
 def _dtensor_type() -> type:
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     return DTensor
 

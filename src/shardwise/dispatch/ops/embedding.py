@@ -41,9 +41,9 @@ import torch
 from shardwise.dispatch.ops._common import R, aten, dtensor_cls, new_dtensor, wrap_block
 from shardwise.dispatch.registry import register_custom_handler
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, choose, expand
-from shardwise.placement import Partial, Placement, Shard
+from shardwise.core.placement import Partial, Placement, Shard
 from shardwise.redistribute.execute import redistribute_local
-from shardwise.spec import DTensorSpec, TensorMeta, contiguous_stride
+from shardwise.core.spec import DTensorSpec, TensorMeta, contiguous_stride
 
 __all__ = ["embedding_axis_candidates", "dense_backward_axis_candidates", "masked_lookup", "masked_dense_backward"]
 

@@ -70,7 +70,7 @@ def _element(value: Any) -> Any:
 
 
 def _is_dtensor(value: Any) -> bool:
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     return isinstance(value, DTensor)
 

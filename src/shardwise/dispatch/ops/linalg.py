@@ -25,8 +25,8 @@ from shardwise.dispatch.ops.norm import spec_arguments
 from shardwise.dispatch.ops.view import size_rewrite
 from shardwise.dispatch.registry import allow_plain_indices, register_custom_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
-from shardwise.placement import Shard
-from shardwise.spec import DTensorSpec
+from shardwise.core.placement import Shard
+from shardwise.core.spec import DTensorSpec
 
 # Trailing core dims of tensor arguments that are not matrices, by schema name. Tolerances of
 # pinv broadcast against the batch dims: no core dims.

@@ -34,9 +34,9 @@ from shardwise.dispatch.ops._common import (
 from shardwise.dispatch.ops.norm import linear_partial_ops, spec_arguments
 from shardwise.dispatch.registry import register_custom_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
-from shardwise.placement import Partial, Placement, Shard
+from shardwise.core.placement import Partial, Placement, Shard
 from shardwise.redistribute.execute import redistribute_local
-from shardwise.spec import DTensorSpec
+from shardwise.core.spec import DTensorSpec
 
 __all__ = ["nll_loss_forward", "nll_loss_backward", "mse_loss_forward", "mse_loss_backward"]
 
@@ -52,7 +52,7 @@ def _plan(op: Any, specs: tuple[DTensorSpec, ...], reduction: int,
 
 def _dtensors(name: str, values: list[Any]) -> list[Any]:
     """The tensor arguments, which the dispatcher guarantees are DTensors (or None)."""
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if not all(isinstance(t, DTensor) for t in tensors):

@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 from shardwise.dispatch.ops._common import R, aten, broadcast_dim
 from shardwise.dispatch.registry import register_strategy
 from shardwise.dispatch.strategy import Candidate, OpSchema
-from shardwise.placement import Partial, Placement, Shard, check_placements
-from shardwise.spec import DTensorSpec
+from shardwise.core.placement import Partial, Placement, Shard, check_placements
+from shardwise.core.spec import DTensorSpec
 
 __all__ = ["AxisRow", "axis_product", "moves_data", "linear_partial_ops", "tensor_roles", "product_rows", "matmul_candidates"]
 

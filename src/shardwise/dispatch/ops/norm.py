@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.registry import register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, count_specs, expand
-from shardwise.placement import Partial, Shard
-from shardwise.spec import DTensorSpec
+from shardwise.core.placement import Partial, Shard
+from shardwise.core.spec import DTensorSpec
 
 __all__ = ["spec_arguments", "linear_partial_ops", "softmax_candidates", "norm_candidates"]
 

@@ -20,8 +20,8 @@ from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.ops.core_dims import batch_axis_candidates, without_empty_blocks
 from shardwise.dispatch.registry import register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
-from shardwise.placement import Placement, Shard
-from shardwise.spec import DTensorSpec
+from shardwise.core.placement import Placement, Shard
+from shardwise.core.spec import DTensorSpec
 
 __all__ = ["padded_dims"]
 

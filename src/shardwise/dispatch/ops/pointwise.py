@@ -34,8 +34,8 @@ import torch
 from shardwise.dispatch.ops._common import R, aten, aten_ops_tagged, broadcast_dim, num_tensor_outputs, tensor_shapes
 from shardwise.dispatch.registry import register_custom_handler, register_strategy, scalars_matter_by_sign_only
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
-from shardwise.placement import Partial, Placement, Shard
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.placement import Partial, Placement, Shard
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 _FLIP = {"max": "min", "min": "max"}
 # Ops whose value is the same kind of reduction of the inputs' contributions, with each
@@ -290,7 +290,7 @@ def empty_like(op: Any, args: tuple, kwargs: dict) -> Any:
     mesh's device type or "meta"; any other raises before anything is allocated (every rank
     calls it alike, so every rank raises).
     """
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     x = args[0]
     spec = x._spec

@@ -1,4 +1,4 @@
-"""Random ops on DTensors: values independent of the layout (``shardwise.random``).
+"""Random ops on DTensors: values independent of the layout (``shardwise.tensor.random``).
 
 Each op draws the block this rank holds of one fresh global random tensor, so a dropout mask
 or a ``normal_`` fill is the same logical tensor whatever the mesh and placements, and a
@@ -14,13 +14,13 @@ import torch
 
 from shardwise.dispatch.ops._common import aten
 from shardwise.dispatch.registry import register_custom_handler
-from shardwise.placement import Partial, Replicate
-from shardwise.random import random_block
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.placement import Partial, Replicate
+from shardwise.tensor.random import random_block
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 
 def _dtensor(local: torch.Tensor, spec: DTensorSpec):
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     return DTensor(local, spec, requires_grad=False)
 

@@ -12,7 +12,7 @@ from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.ops.core_dims import batch_axis_candidates, output_shapes, without_empty_blocks
 from shardwise.dispatch.registry import register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
-from shardwise.placement import Shard
+from shardwise.core.placement import Shard
 
 
 def _moving_candidates(schema: OpSchema, moved: set[int]) -> list[AxisCandidate]:

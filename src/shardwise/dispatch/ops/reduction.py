@@ -31,8 +31,8 @@ from shardwise.dispatch import walk
 from shardwise.dispatch.ops._common import R, aten
 from shardwise.dispatch.registry import register_custom_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
-from shardwise.placement import Partial, Placement, Shard
-from shardwise.spec import DTensorSpec, TensorMeta
+from shardwise.core.placement import Partial, Placement, Shard
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
 __all__ = ["reduction_axis_candidates", "reduced_dims", "scan_axis_candidates"]
 
@@ -277,7 +277,7 @@ def _run_local(op: Any, x: Any, args: tuple, kwargs: dict, reduced: tuple[int, .
     non-empty result means a reduced dim has length 0 on every rank: the op runs, giving what
     it gives on one device (NaN for var / mean, 0 for sum), the same on every rank.
     """
-    from shardwise.dtensor import DTensor
+    from shardwise.tensor.dtensor import DTensor
 
     spec = x._spec
     placements = tuple(Shard(_out_dim(p.dim, reduced, keepdim)) if isinstance(p, Shard) else p for p in spec.placements)
@@ -303,7 +303,7 @@ def _stat_handler(rewrite: Callable[..., Any]) -> Callable:
     """
 
     def handler(op: Any, args: tuple, kwargs: dict) -> Any:
-        from shardwise.dtensor import DTensor
+        from shardwise.tensor.dtensor import DTensor
 
         bound = _bind(op, args, kwargs)
         x = bound["self"]

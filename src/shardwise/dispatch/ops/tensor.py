@@ -36,8 +36,8 @@ from shardwise.dispatch.ops._common import R, aten, bind_arguments, broadcast_di
 from shardwise.dispatch.ops.pointwise import pointwise_candidates
 from shardwise.dispatch.registry import allow_plain_indices, register_layout_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
-from shardwise.placement import Partial, Placement, Shard
-from shardwise.spec import DTensorSpec
+from shardwise.core.placement import Partial, Placement, Shard
+from shardwise.core.spec import DTensorSpec
 
 __all__ = ["index_layout"]
 

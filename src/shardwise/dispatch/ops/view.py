@@ -33,8 +33,8 @@ import torch
 from shardwise.dispatch.ops._common import R, aten, bind_arguments
 from shardwise.dispatch.registry import register_custom_handler, register_strategy
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
-from shardwise.placement import Placement, Shard
-from shardwise.spec import DTensorSpec, local_shape_and_offset
+from shardwise.core.placement import Placement, Shard
+from shardwise.core.spec import DTensorSpec, local_shape_and_offset
 
 __all__ = ["dim_map_candidates", "view_groups", "view_candidates", "size_rewrite"]
 

@@ -27,12 +27,14 @@ from typing import Any
 
 import torch
 
-from shardwise import blocks, comm
+from shardwise import comm
+
+from shardwise.tensor import agreement as blocks
 from shardwise.dispatch.ops._common import R, aten, bind_arguments, local_block, meta_of, wrap_local
 from shardwise.dispatch.registry import register_layout_handler
 from shardwise.dispatch.strategy import OpSchema
-from shardwise.placement import Partial, Placement, Shard
-from shardwise.spec import DTensorSpec
+from shardwise.core.placement import Partial, Placement, Shard
+from shardwise.core.spec import DTensorSpec
 
 __all__ = ["softmax_forward", "softmax_backward", "nll_loss_forward", "nll_loss_backward"]
 

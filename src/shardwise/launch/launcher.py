@@ -1,0 +1,316 @@
+"""Run a program on N local processes without asking the user for torchrun.
+
+``main_or_launch(worker, nproc)`` either runs ``worker()`` (when this process is already one of
+the workers of a launcher) or starts ``nproc`` copies of the current program (a script, or
+``python -m module``) through torch's elastic launcher and waits. Under torchrun on many hosts
+the same program just runs. ``python -m shardwise.launch --nproc N script.py`` does the same
+for any script (see ``main``).
+
+A job fails whole and fast. Each worker runs under ``shardwise.launch.worker``: a rank that fails
+reports once and exits at once (no barrier on the way out), ranks whose collective it cut short
+wait silently, and the elastic agent (polling every 0.2 s) stops them. The launcher then prints
+ONE line, the root cause read from the workers' error files (its own exception before a timeout
+before a signal before a consequence): ``FAILED: rank 1: RuntimeError: ... (the other ranks were
+stopped)``. Ctrl-C reaches every worker (the agent forwards SIGINT); rank 0 prints where the job
+was and the launcher exits with status 130, saying nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import uuid
+from typing import Callable, NoReturn, Sequence
+
+__all__ = ["under_launcher", "launch", "close_process_group", "main_or_launch", "main", "USAGE"]
+
+# What init_process_group's env:// rendezvous needs; torchrun, torch's elastic agent and
+# shardwise.launch.launcher set them all (and more: LOCAL_RANK, TORCHELASTIC_RUN_ID).
+_WORKER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_SHUTDOWN_TIMEOUT_S = 5  # SIGTERM to SIGKILL for a worker that does not stop
+_MONITOR_INTERVAL_S = 0.2
+
+# Workers start with SIGINT's default action (die silently) until run_worker installs its own:
+# a Ctrl-C while they import torch must not print a KeyboardInterrupt traceback per rank.
+_BOOTSTRAP = """\
+import os, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+args = sys.argv[1:]
+if args[0] == "-m":
+    sys.argv = args[1:]
+    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = args
+    sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+    runpy.run_path(args[0], run_name="__main__")
+"""
+
+
+def under_launcher() -> bool:
+    """True in a worker started by torchrun, torch's elastic agent or ``shardwise.launch.launcher``.
+
+    Decided from the whole set of variables ``init_process_group``'s env:// rendezvous needs
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), which every launcher sets together: a stray
+    ``LOCAL_RANK`` or ``RANK`` left in a user's shell does not make a process a worker.
+    """
+    return all(os.environ.get(name) for name in _WORKER_ENV)
+
+
+def launch(python_args: Sequence[str], nproc: int, quiet_codes: tuple[int, ...] = ()) -> int:
+    """Start ``nproc`` local workers running ``python *python_args``; return the job's exit status.
+
+    ``python_args`` is ``["-m", module, *args]`` or ``[script, *args]``. On a failure the
+    root cause is printed in one line (see the module docstring); a failure whose root cause
+    is a status the workers returned themselves (or one of ``quiet_codes``) is a verdict they
+    already printed: its status is returned silently. Ctrl-C returns 130, silently.
+    """
+    # Each worker is single-threaded: 4 processes share 2 cores on small machines.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import elastic_launch
+
+        _quiet_agent_logs()
+        elastic_launch(_config(nproc), sys.executable)("-u", "-c", _BOOTSTRAP, *python_args)
+    except ChildFailedError as err:
+        return _report_failure(err.failures, nproc, quiet_codes)
+    except (KeyboardInterrupt, SignalException) as err:
+        # Ctrl-C before the workers started, or forwarded to them (rank 0 said where it was).
+        signum = getattr(err, "sigval", signal.SIGINT)
+        return 128 + int(signum)
+    except Exception as err:  # rendezvous errors, agent errors
+        print(f"FAILED: launcher error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _config(nproc: int):
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone
+        max_restarts=0,
+        monitor_interval=_MONITOR_INTERVAL_S,
+        start_method="spawn",
+        shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+    )
+
+
+def _quiet_agent_logs() -> None:
+    """The agent logs every non-zero exit and every signal it forwards; the launcher reports
+    the one failure that matters instead."""
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.errors"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+# ---------------------------------------------------------------------- failure report
+# Root-cause order of the workers' report kinds (failfast.Ending values). No report: killed
+# (SIGKILL, a crash in C++) or exited on its own, unless SIGTERM ended it (the agent stopping
+# the survivors of the failure).
+_PRIORITY = {"error": 0, "timeout": 1, "interrupted": 2, "verdict": 3, "no report": 4, "terminated": 5,
+             "stopped": 5, "peer_lost": 6}
+
+
+def _report_failure(failures: dict, nproc: int, quiet_codes: tuple[int, ...]) -> int:
+    """Print the root cause of a failed job in one line; return the job's exit status."""
+    rank, failure = min(failures.items(), key=lambda item: _order(*item))
+    report = _report_of(failure)
+    kind = report.get("kind") if report else None
+    status = failure.exitcode if failure.exitcode > 0 else 128 + (-failure.exitcode or signal.SIGKILL)
+    if kind == "verdict" or (kind is None and failure.exitcode in quiet_codes):
+        return status
+    line = report["line"] if report else _no_report_line(rank, failure.exitcode)
+    others = " (the other ranks were stopped)" if nproc > 1 else ""
+    print(f"FAILED: {line}{others}", file=sys.stderr, flush=True)
+    return status
+
+
+def _order(rank: int, failure) -> tuple:
+    report = _report_of(failure)
+    if report:  # the rank that printed its traceback (won the store) before the clock
+        return _PRIORITY.get(report.get("kind"), 4), not report.get("first"), report.get("time", math.inf), rank
+    stopped = failure.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
+    return _PRIORITY["stopped" if stopped else "no report"], True, math.inf, rank
+
+
+def _report_of(failure) -> dict | None:
+    """What ``failfast`` wrote into the worker's error file, if anything."""
+    from shardwise.launch.worker import REPORT_KEY
+
+    data = getattr(failure, "error_file_data", None)
+    report = data.get(REPORT_KEY) if isinstance(data, dict) else None
+    return report if isinstance(report, dict) and "line" in report else None
+
+
+def _no_report_line(rank: int, exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -exitcode == signal.SIGKILL else ""
+        return f"rank {rank} was killed by {name}{hint}"
+    return f"rank {rank} exited with status {exitcode}"
+
+
+# ---------------------------------------------------------------------- workers
+def close_process_group() -> None:
+    """Tear the default process group down once every rank is done with it.
+
+    The barrier first matters: a rank that destroys its gloo connections (or exits) while a
+    peer is still finishing its last collective can abort the peer at exit ("terminate called
+    without an active exception"). Call it on the success path only: after an error, a rank
+    waiting here for a peer that will never come would hang the job (the launcher stops the
+    other workers instead).
+    """
+    import torch.distributed as dist
+
+    from shardwise import comm
+
+    if dist.is_initialized():
+        comm.barrier()
+        dist.destroy_process_group()
+
+
+def main_or_launch(
+    worker: Callable[[], int | None],
+    nproc: int,
+    quiet_codes: tuple[int, ...] = (),
+    module: str | None = None,
+) -> NoReturn:
+    """Run ``worker`` here if we are a worker, else launch ``nproc`` workers of this program.
+
+    Args:
+        worker: the per-rank main; its return value is the exit status (non-zero: a verdict
+            it printed itself, which the launcher does not repeat).
+        nproc: local processes to start when not already under a launcher.
+        quiet_codes: further worker exit statuses that are verdicts, not crashes.
+        module: run the workers as ``python -m module`` (else the current script).
+    """
+    if under_launcher():
+        from shardwise.launch.worker import run_worker
+
+        run_worker(worker)
+    program = ["-m", module] if module else [os.path.abspath(sys.argv[0])]
+    sys.exit(launch(program + sys.argv[1:], nproc, quiet_codes))
+
+
+# ---------------------------------------------------------------------- python -m shardwise.launch
+USAGE = """\
+usage: python -m shardwise.launch [--nproc N] [--collective-timeout SECONDS] script.py [args ...]
+       python -m shardwise.launch [--nproc N] [--collective-timeout SECONDS] -m module [args ...]
+
+Run a Python program as N local processes (ranks) of one job, like
+`torchrun --standalone --nproc-per-node N`. Each worker gets RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT, so init_device_mesh() / init_process_group() need no arguments.
+
+The job fails whole and fast: when one rank raises, the launcher stops the others within
+about a second and prints that rank's error in one line (its traceback is printed once, above);
+a collective that does not complete within the collective timeout names the ranks that did
+not arrive; Ctrl-C stops every rank at once (exit status 130). Under torchrun the same command
+runs the program in each of torchrun's workers.
+
+options:
+  --nproc N                     processes to start (default 1; under torchrun: its world size)
+  --collective-timeout SECONDS  fail a collective that has not completed after SECONDS
+                                (sets $SHARDWISE_COLLECTIVE_TIMEOUT; default 300)
+  -m module                     run a module, as python -m does
+  -h, --help                    show this help
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """``python -m shardwise.launch``: launch the program, or run it here in a worker."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        nproc, timeout, program = _parse(argv)
+    except ValueError as err:
+        print(f"{USAGE}\nshardwise.launch: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if timeout is not None:
+        os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = timeout
+    if under_launcher():
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc is not None and nproc != world:
+            _refuse(f"--nproc {nproc} differs from the launcher's world size {world}")
+        from shardwise.launch.worker import run_worker
+
+        run_worker(lambda: _run_program(program))
+    sys.exit(launch(["-m", "shardwise.launch", *argv], nproc or 1))
+
+
+def _refuse(message: str) -> NoReturn:
+    if os.environ.get("RANK") == "0":
+        print(f"shardwise.launch: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _parse(argv: list[str]) -> tuple[int | None, str | None, list[str]]:
+    """(--nproc, --collective-timeout, the program: [script, *args] or ["-m", module, *args])."""
+    nproc = timeout = None
+    while argv:
+        head = argv[0]
+        if head in ("-h", "--help"):
+            print(USAGE, end="")
+            sys.exit(0)
+        if head == "-m":
+            if len(argv) < 2:
+                raise ValueError("-m needs a module name")
+            return nproc, timeout, argv
+        name, _, value = head.partition("=")
+        if name not in ("--nproc", "--collective-timeout"):
+            if head.startswith("-"):
+                raise ValueError(f"unknown option {head!r} (options go before the program)")
+            return nproc, timeout, argv
+        if not value:
+            if len(argv) < 2:
+                raise ValueError(f"{name} needs a value")
+            value, argv = argv[1], argv[1:]
+        argv = argv[1:]
+        if name == "--nproc":
+            nproc = _positive_int(value)
+        else:
+            timeout = _positive_seconds(value)
+    raise ValueError("no program given (a script or -m module)")
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--nproc must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def _positive_seconds(text: str) -> str:
+    try:
+        ok = 0 < float(text) < math.inf
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"--collective-timeout must be a positive number of seconds, got {text!r}")
+    return text
+
+
+def _run_program(program: list[str]) -> int:
+    """Run the user's program in this process as ``python`` would (``__main__``, its argv)."""
+    import runpy
+
+    if program[0] == "-m":
+        sys.argv = program[1:]
+        runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(program)
+        sys.path[0] = os.path.dirname(os.path.abspath(program[0]))
+        runpy.run_path(program[0], run_name="__main__")
+    return 0
+
