@@ -199,17 +199,18 @@ def test_fully_shard_prefetch_order(dist):
 # Reading a value on the host (.item(), .tolist(), .cpu(), .numpy(), bool(t.any())) waits for the
 # device: none on the hot path (dispatch, redistribute, collectives, DTensor, parallel styles,
 # fully_shard/replicate). The few that stay are here with their reason; a new one fails the audit.
-_HOT = ["dispatch", "redistribute", "fsdp", "parallel/style.py", "parallel/prepare.py", "comm.py", "dtensor.py",
-        "spec.py", "placement.py", "api.py"]
+_HOT = ["dispatch", "redistribute", "parallel/data_parallel", "parallel/tensor_parallel/style.py",
+        "parallel/tensor_parallel/prepare.py", "comm", "tensor/dtensor.py", "core/spec.py", "core/placement.py",
+        "tensor/factories.py"]
 _HOST_READS = {"item", "tolist", "cpu", "numpy"}
 _ALLOWED = {
     # only when some parameter has no gradient on this rank: the flags say whether any rank had one
-    ("fsdp/group.py", "return (flags > 0).tolist()"),
+    ("parallel/data_parallel/group.py", "return (flags > 0).tolist()"),
     # a plain tensor mixed with DTensors inside backward: allowed only if it is all zeros (error path)
     ("dispatch/dispatcher.py", "return t.is_meta or t.numel() == 0 or not bool(t.any())"),
     # SequenceParallel's check that plain inputs differ across ranks: the first call only
-    ("parallel/style.py", "if not bool(rows[0, 2]) and bool((rows == rows[0]).all()):"),
-    ("parallel/style.py", "constant = flat.numel() == 0 or bool((flat == flat[0]).all())"),
+    ("parallel/tensor_parallel/style.py", "if not bool(rows[0, 2]) and bool((rows == rows[0]).all()):"),
+    ("parallel/tensor_parallel/style.py", "constant = flat.numel() == 0 or bool((flat == flat[0]).all())"),
     # a per-position scalar tensor of a _foreach op becomes the per-tensor op's number
     ("dispatch/ops/foreach.py", "return value.item()"),
 }
@@ -232,6 +233,7 @@ def _host_reads() -> set[tuple[str, str]]:
     found = set()
     for entry in _HOT:
         path = SRC / entry
+        assert path.exists(), f"the hot-path audit names {entry}, which is not in {SRC}"
         for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
             source = file.read_text()
             lines = source.splitlines()
