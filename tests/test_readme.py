@@ -213,14 +213,45 @@ def test_ci_runs_the_readme_commands():
     assert ci.index('for block in "$WORK"/blocks/*.sh') < exported < ci.index(suite.code.strip())
 
 
-def test_layout_block_names_existing_files():
+_ENTRY = re.compile(r"^( *)([\w./]+/|[\w.]+\.(?:py|json))(?=\s|$)")
+_DESCRIPTION_COLUMN = 24  # a line indented this far continues the description above it
+
+
+def _layout_entries(code: str) -> list[tuple[str, str]]:
+    """(path, description) per entry of the layout tree: a path opens each line, nested by indentation."""
+    entries, stack = [], []  # stack: (indent, folder) of the enclosing folders
+    for line in code.splitlines():
+        match = _ENTRY.match(line)
+        if match is None or len(match.group(1)) >= _DESCRIPTION_COLUMN:
+            if entries:  # a continuation line: part of the last entry's description
+                entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+            continue
+        indent, name = len(match.group(1)), match.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "/".join([folder for _, folder in stack] + [name.rstrip("/")])
+        entries.append((path, line[match.end():].strip()))
+        if name.endswith("/"):
+            stack.append((indent, name.rstrip("/")))
+    return entries
+
+
+def test_layout_block_matches_the_tree():
+    """Every entry of README's layout exists at the path its nesting gives; every package of the
+    library has an entry; a file a folder's description names is in that folder."""
     layout = next(b for b in BLOCKS if b.code.startswith("src/shardwise/"))
-    names = set(re.findall(r"[\w./]+\.py\b", layout.code))
-    files = {p.name for p in REPO.rglob("*.py")} | {str(p.relative_to(REPO)) for p in REPO.rglob("*.py")}
-    dirs = {p.name + "/" for p in REPO.rglob("*") if p.is_dir()}
-    missing = [n for n in sorted(names) if n.split("/")[-1] not in files and n not in files]
-    missing += [d for d in re.findall(r"^\s*(\w+/)", layout.code, re.M) if d not in dirs]  # folders open a line
-    assert not missing, f"README's code layout names files that do not exist: {missing}"
+    entries = _layout_entries(layout.code)
+    missing = [path for path, _ in entries if not (REPO / path).exists()]
+    assert not missing, f"README's code layout names paths that do not exist: {missing}"
+    listed = {path for path, _ in entries}
+    packages = sorted(str(p.parent.relative_to(REPO)) for p in (REPO / "src" / "shardwise").rglob("__init__.py"))
+    unlisted = [p for p in packages if p not in listed and p != "src/shardwise"]
+    assert not unlisted, f"README's code layout does not show these packages: {unlisted}"
+    for path, description in entries:
+        if (REPO / path).is_dir():
+            here = {f.name for f in (REPO / path).rglob("*.py")}
+            strays = [n for n in re.findall(r"\b[\w]+\.py\b", description) if n not in here]
+            assert not strays, f"README's layout: {path}/ describes files it does not hold: {strays}"
 
 
 def test_benchmark_commands_name_existing_scripts_and_flags():
