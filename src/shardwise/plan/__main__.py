@@ -5,7 +5,8 @@ Enumerates every (dp_replicate, dp_shard, cp, tp, pp) split of the world (pp up 
 (``shardwise.simulate``: once with one block per pipeline stage and once with two,
 extrapolated linearly to the model's depth, since every block costs the same),
 prices it on the hardware profile (``search.price``) and prints the fastest that fit, each as
-the trainer command that runs it.
+the trainer command that runs it. Any registered model family plans alike (``--family``; its
+counts, depth and shape checks come from its ``shardwise.train.spec.ModelFamily``).
 """
 
 from __future__ import annotations
@@ -13,20 +14,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import TYPE_CHECKING
 import time
+from typing import TYPE_CHECKING, Any
 
 from shardwise.plan.search import Candidate, LayoutCost, candidates, load_hardware, price, rank_plans
 
 if TYPE_CHECKING:
     from shardwise.train.config import JobConfig
+    from shardwise.train.spec import ModelFamily
 
 PROG = "shardwise.plan"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--family", default=None, help="model family (default: the trainer's, llama)")
+    p.add_argument("--family", default=None, help="model family (default: the trainer's)")
     p.add_argument("--config", default="llama3_8b", help="one of the family's configs")
     p.add_argument("--nproc", type=int, required=True, help="GPUs in the world")
     p.add_argument("--hardware", default="h100-80gb", help="a profile of shardwise/plan/hardware.json")
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         comm = ", ".join(f"{a} {t * 1e3:.0f} ms ({p.placement[a]})" for a, t in sorted(p.comm_s.items()))
         print(f"{i}. step {p.step_s:.2f} s (compute {p.compute_s:.2f} s; {comm or 'no communication'}); "
               f"peak {p.cost.peak_memory_bytes / 2**30:.1f} GiB/GPU")
-        print(f"   python -m shardwise.train{' --family ' + ns.family if ns.family else ''} --config {ns.config} --nproc {ns.nproc} {p.candidate.flags()} "
+        family_flag = f" --family {ns.family}" if ns.family else ""
+        print(f"   python -m shardwise.train{family_flag} --config {ns.config} --nproc {ns.nproc} {p.candidate.flags()} "
               f"--global-batch {batch} --seq-len {ns.seq_len}{extra}")
     shown = dropped if ns.show_dropped else [d for d in dropped if "GiB" in d[1] or "simulation" in d[1]][:6]
     for cand, why in shown:
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ranked else 1
 
 
-def _model_refuses(family, args, cand: Candidate, ns: argparse.Namespace) -> str | None:
+def _model_refuses(family: ModelFamily, args: Any, cand: Candidate, ns: argparse.Namespace) -> str | None:
     """The family's reason the layout does not fit its shapes (heads not divisible by tp), or None."""
     from shardwise.parallel.dims import ParallelDims
     from shardwise.train.config import ConfigError

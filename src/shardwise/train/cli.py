@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _configs_help() -> str:
-    """``llama: tiny (0.17M params: ...); debug (...)``, for every registered family."""
+    """Each registered family with its configs, each config with its size and what it is for."""
     families = [get_family(name) for name in family_names()]
     return "; ".join(f"{f.name}: " + "; ".join(describe_config(f, c) for c in f.configs) for f in families)
 
