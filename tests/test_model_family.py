@@ -126,7 +126,7 @@ def test_registered_family_trains_to_the_one_process_losses(dist, degrees):
     assert want[-1] < want[0], "the one-process run does not learn"
 
 
-def test_tp_shards_the_family_linears_and_counts_match():
+def test_parameter_count_and_stage_paths_follow_the_shapes():
     model = TOY.build(ToyArgs())
     assert sum(p.numel() for p in model.parameters()) == TOY.num_params(ToyArgs())
     assert TOY.stage_paths(ToyArgs(n_layers=4), 2, 1) == ["layers.2", "layers.3", "head"]
