@@ -119,12 +119,13 @@ class Bench:
     def jobs(self, mode: str, meshes: dict, data) -> dict:
         from train_step import build_job
 
+        from shardwise.train.models.llama import LLAMA
         from shardwise.train.parallelize import apply_compile
 
         out = {"sw eager": build_job("shardwise", mode, self.args, meshes, data)}
         for name, lib in (("sw compiled", "shardwise"), ("torch compiled", "torch")):
             job = build_job(lib, mode, self.args, meshes, data)
-            apply_compile(job.model, self.args.backend)
+            apply_compile(LLAMA.block_modules(job.model), self.args.backend)
             out[name] = job
         return out
 

@@ -6,7 +6,7 @@
     python -m shardwise.launch --nproc 8 benchmarks/meta_build.py     # the same, launched explicitly
 
 The script starts its ranks itself (torch's elastic launcher; under a launcher it just runs).
-Each rank runs the trainer's own path (``shardwise.train.parallelize.build_llama``): the
+Each rank runs the trainer's own path (``shardwise.train.models.llama.build_llama``): the
 ``Transformer`` built under ``torch.device("meta")``, then TP over "tp" and FSDP over
 "dp_shard" (``parallelize_llama``). Reported per rank: peak resident memory (``ru_maxrss``)
 before and after, the parameter count (global shapes of the DTensor parameters; it must equal
@@ -56,7 +56,8 @@ def worker() -> int:
     from shardwise.tensor.dtensor import DTensor
     from shardwise.parallel.dims import ParallelDims
     from shardwise.train.config import get_model_args
-    from shardwise.train.parallelize import ParallelOptions, build_llama
+    from shardwise.train.models.llama import build_llama
+    from shardwise.train.parallelize import ParallelOptions
 
     args = parse_args(sys.argv[1:])
     torch.set_num_threads(1)

@@ -102,7 +102,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
-    from shardwise.train.config import CONFIGS
+    from shardwise.train.models.llama import CONFIGS
 
     if args.config not in CONFIGS:
         p.error(f"unknown config {args.config!r}; known: {', '.join(CONFIGS)}")
@@ -248,8 +248,8 @@ class Job:
 
 def build_job(lib: str, mode: str, args, meshes: dict, data) -> Job:
     from shardwise.train.config import get_model_args
-    from shardwise.train.model import Transformer
-    from shardwise.train.parallelize import ParallelOptions, parallelize_llama, shardwise_api
+    from shardwise.train.models.llama import Transformer, parallelize_llama
+    from shardwise.train.parallelize import ParallelOptions, shardwise_api
 
     dim_kwargs, opt_kwargs = MODES[mode]
     dims, sw_mesh, t_mesh = meshes[mode]
@@ -280,7 +280,7 @@ def _pipeline_job(lib: str, mode: str, model, dims, mesh, sw_mesh, options, api,
 
     from shardwise.parallel.pipeline_parallel.pipeline import PipelineRunner, split_stage
     from shardwise.parallel.pipeline_parallel.split import num_stages, stage_module_paths, stages_of_rank
-    from shardwise.train.parallelize import parallelize_llama
+    from shardwise.train.models.llama import parallelize_llama
     from shardwise.train.trainer import loss_fn
 
     schedule = PP_SCHEDULES[mode]
@@ -340,7 +340,7 @@ class Bench:
         import shardwise.tensor.random
         from shardwise.train.config import get_model_args
         from shardwise.train.data import BatchSource, load_corpus
-        from shardwise.train.model import Transformer
+        from shardwise.train.models.llama import Transformer
 
         steps = self.args.warmup + self.args.reps
         times, losses = [], self.torch.zeros(steps, dtype=self.torch.float64)

@@ -22,7 +22,8 @@ from shardwise import DTensor, Replicate, Shard
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from shardwise.parallel.dims import ParallelDims
 from shardwise.train.config import get_model_args
-from shardwise.train.parallelize import ParallelOptions, build_llama
+from shardwise.train.models.llama import build_llama
+from shardwise.train.parallelize import ParallelOptions
 
 _COLLECTIVES = {
     "all_gather_into_tensor": "all_gather",

@@ -19,7 +19,7 @@ LAYOUTS = {"fsdp": {"dp_shard": 4}, "tp": {"tp": 4}, "fsdp+tp": {"dp_shard": 2, 
 
 def _single_device(args, seed: int) -> dict[str, torch.Tensor]:
     from shardwise.tensor import random as sw_random
-    from shardwise.train.model import Transformer
+    from shardwise.train.models.llama import Transformer
 
     sw_random.manual_seed(seed)
     return {k: v.detach().clone() for k, v in Transformer(args).state_dict().items()}
@@ -30,8 +30,8 @@ def _model_equals_single_device(seed: int) -> dict:
     from shardwise.tensor import random as sw_random
     from shardwise.tensor.dtensor import DTensor
     from shardwise.parallel.dims import ParallelDims
-    from shardwise.train.config import CONFIGS
-    from shardwise.train.parallelize import ParallelOptions, build_llama
+    from shardwise.train.models.llama import CONFIGS, build_llama
+    from shardwise.train.parallelize import ParallelOptions
 
     args = CONFIGS["tiny"]
     want = _single_device(args, seed)
@@ -202,8 +202,9 @@ DEBUG = ["--config", "debug", "--steps", "5", "--global-batch", "4", "--seq-len"
 def _built_on_meta(job, runtime):
     """The debug model built on meta, parallelized, then ``to_empty`` + ``init_weights``."""
     from shardwise.tensor import random as sw_random
-    from shardwise.train.model import Transformer
-    from shardwise.train.parallelize import ParallelOptions, parallelize_llama
+    from shardwise.train.models.llama import Transformer
+    from shardwise.train.models.llama import parallelize_llama
+    from shardwise.train.parallelize import ParallelOptions
 
     sw_random.manual_seed(job.seed)
     with torch.device("meta"):
@@ -218,7 +219,7 @@ def _built_on_meta(job, runtime):
 def _built_whole(job, runtime):
     """The debug model built whole on one device (no meta, no parallelism)."""
     from shardwise.tensor import random as sw_random
-    from shardwise.train.model import Transformer
+    from shardwise.train.models.llama import Transformer
 
     sw_random.manual_seed(job.seed)
     return Transformer(job.model_args())

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise import Replicate, Shard
 from shardwise.debug import CommDebugMode
-from shardwise.train.model import apply_rotary, rotary_table
+from shardwise.train.models.llama.model import apply_rotary, rotary_table
 from tests.op_check import check_op
 
 

@@ -1,6 +1,6 @@
 """Collectives per trainer block under tensor (and sequence) parallelism: the hand-written ideal.
 
-The trainer's TP plan (``shardwise.train.parallelize.tp_plans``) on one ``TransformerBlock``,
+The trainer's TP plan (``shardwise.train.models.llama.tp_plans``) on one ``TransformerBlock``,
 4 ranks, with and without the ``PrepareModuleInput`` entries on ``attention`` / ``feed_forward``.
 Ideal per block, forward and backward each: TP 2 all-reduces, TP+SP 2 all-gathers and 2
 reduce-scatters (one per sub-block). Values and gradients are checked against one device.
@@ -13,9 +13,8 @@ import shardwise as sw
 from shardwise import DTensor, Shard
 from shardwise.debug import CommDebugMode
 from shardwise.parallel import ColwiseParallel, parallelize_module
-from shardwise.train.config import ModelArgs
-from shardwise.train.model import TransformerBlock, rotary_table
-from shardwise.train.parallelize import tp_plans
+from shardwise.train.models.llama import ModelArgs, tp_plans
+from shardwise.train.models.llama.model import TransformerBlock, rotary_table
 
 TP, BATCH, SEQ = 4, 2, 8
 ARGS = ModelArgs(dim=32, n_layers=1, n_heads=8, n_kv_heads=4, multiple_of=16, max_seq_len=SEQ)

@@ -21,10 +21,9 @@ import pytest
 import torch
 
 from shardwise.train import cli
-from shardwise.train.config import CONFIGS, JobConfig
+from shardwise.train.config import JobConfig
 from shardwise.train.data import BatchSource, load_corpus
-from shardwise.train.model import Transformer
-from shardwise.train.parallelize import tp_plans
+from shardwise.train.models.llama import CONFIGS, Transformer, tp_plans
 from shardwise.train.plot import render_loss_png
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.train import cli
-from shardwise.train.config import CONFIGS, ConfigError, JobConfig, params_label
+from shardwise.train.config import ConfigError, JobConfig, params_label
+from shardwise.train.models.llama import CONFIGS
 from shardwise.train.plot import write_loss_plot
 from shardwise.train.run_lock import DirectoryInUse, RunLock, hold_for_run, live_holder
 from tests.test_train import _cli, refusal_in_launcher
@@ -230,7 +231,7 @@ def test_help_shows_every_meaningful_default():
         entry = entries[action.option_strings[0]]
         assert f"(default: {action.default})" in entry, entry
         shown += 1
-    assert shown == 18, shown  # config, dp degrees, cp, tp, pp, pp schedule, steps, batch, seq len, lr, ..., compile backend
+    assert shown == 19, shown  # family, config, dp degrees, cp, tp, pp, pp schedule, steps, batch, seq len, lr, ..., compile backend
     assert "(default: None)" not in parser.format_help() and "(default: False)" not in parser.format_help()
 
 
@@ -254,7 +255,7 @@ def test_help_shows_each_config_with_its_computed_size():
 _SIZE_CLAIM = re.compile(r"(\d+(?:\.\d+)?)\s*([MB])\s*param", re.I)
 
 
-@pytest.mark.parametrize("doc", ["src/shardwise/train/config.py", "src/shardwise/train/cli.py", "README.md"])
+@pytest.mark.parametrize("doc", ["src/shardwise/train/models/llama/args.py", "src/shardwise/train/cli.py", "README.md"])
 def test_no_written_parameter_count_disagrees_with_num_params(doc):
     """Sizes written by hand (``about 40M parameters``) must be one of the configs' real sizes."""
     sizes = [args.num_params() for args in CONFIGS.values()]

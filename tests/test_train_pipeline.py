@@ -168,8 +168,7 @@ def test_stages_run_in_sequence_equal_the_whole_model_and_keep_its_keys():
     import torch
 
     from shardwise.parallel.pipeline_parallel.pipeline import split_stage
-    from shardwise.train.config import CONFIGS
-    from shardwise.train.model import Transformer
+    from shardwise.train.models.llama import CONFIGS, Transformer
 
     torch.manual_seed(0)
     whole = Transformer(CONFIGS["tiny4"])

@@ -5,7 +5,8 @@ Enumerates every (dp_replicate, dp_shard, cp, tp, pp) split of the world (pp up 
 (``shardwise.simulate``: once with one block per pipeline stage and once with two,
 extrapolated linearly to the model's depth, since every block costs the same),
 prices it on the hardware profile (``search.price``) and prints the fastest that fit, each as
-the trainer command that runs it.
+the trainer command that runs it. Any registered model family plans alike (``--family``; its
+counts, depth and shape checks come from its ``shardwise.train.spec.ModelFamily``).
 """
 
 from __future__ import annotations
@@ -14,15 +15,21 @@ import argparse
 import dataclasses
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
-from shardwise.plan.search import LayoutCost, candidates, load_hardware, price, rank_plans
+from shardwise.plan.search import Candidate, LayoutCost, candidates, load_hardware, price, rank_plans
+
+if TYPE_CHECKING:
+    from shardwise.train.config import JobConfig
+    from shardwise.train.spec import ModelFamily
 
 PROG = "shardwise.plan"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="llama3_8b")
+    p.add_argument("--family", default=None, help="model family (default: the trainer's)")
+    p.add_argument("--config", default="llama3_8b", help="one of the family's configs")
     p.add_argument("--nproc", type=int, required=True, help="GPUs in the world")
     p.add_argument("--hardware", default="h100-80gb", help="a profile of shardwise/plan/hardware.json")
     p.add_argument("--hardware-file", default=None, help="a JSON file of profiles of the same form")
@@ -41,21 +48,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def simulated_cost(job, n_layers: int) -> LayoutCost:
+def simulated_cost(job: JobConfig, n_layers: int) -> LayoutCost:
     """The busiest rank's peak memory and bytes per axis, extrapolated from simulations with 1 and 2
-    blocks per pipeline stage."""
+    blocks per pipeline stage (the job carries those shapes itself: ``JobConfig.shapes``)."""
     from shardwise.simulate import simulate_job
-    from shardwise.train import config as config_module
 
+    family = job.model_family()
+    named = family.config(job.config)
     figures = []
     for layers in (job.pp, 2 * job.pp):
-        args = dataclasses.replace(config_module.CONFIGS[job.config], n_layers=layers)
-        name = f"_plan_{job.config}_{layers}"
-        config_module.CONFIGS[name] = args
-        try:
-            report = simulate_job(dataclasses.replace(job, config=name))
-        finally:
-            del config_module.CONFIGS[name]
+        report = simulate_job(dataclasses.replace(job, shapes=family.with_layers(named, layers)))
         worst = max(report.per_rank, key=lambda m: m.peak_memory_bytes)
         figures.append(worst)
     one, two = figures
@@ -67,25 +69,30 @@ def simulated_cost(job, n_layers: int) -> LayoutCost:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardwise.train.config import ConfigError, JobConfig, get_model_args
+    from shardwise.train.config import ConfigError, JobConfig
 
     ns = _parser().parse_args(argv)
+    model = {"family": ns.family} if ns.family else {}  # without --family: JobConfig's default
     try:
-        args = get_model_args(ns.config)
+        family = JobConfig(config=ns.config, **model).model_family()
+        args = family.config(ns.config)
         hw = load_hardware(ns.hardware, ns.hardware_file)
     except (ConfigError, ValueError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     batch = ns.global_batch or ns.nproc
     tokens = batch * ns.seq_len
-    flops = 6 * args.num_params() * tokens + 12 * args.n_layers * args.dim * ns.seq_len * tokens
-    print(f"{PROG}: {ns.config} ({args.num_params() / 1e9:.2f}B params) on {ns.nproc} x {hw.name} "
+    flops = family.flops_per_token(args, ns.seq_len) * tokens
+    n_layers = family.num_layers(args)
+    print(f"{PROG}: {ns.config} ({family.num_params(args) / 1e9:.2f}B params) on {ns.nproc} x {hw.name} "
           f"({ns.gpus_per_node} per node), global batch {batch} x {ns.seq_len} tokens; "
           f"compute {flops:.3g} FLOP/step at {hw.peak_flops:.3g} FLOP/s x MFU 0.5 per GPU")
     plans, dropped = [], []
     started = time.perf_counter()
-    for cand, why in candidates(ns.nproc, args.n_heads, args.n_kv_heads, batch, ns.seq_len, ns.gpus_per_node,
-                                ns.max_pp, args.n_layers):
+    # Heads 0 turn search's own head check off: the family checks its shapes (``_model_refuses``).
+    for cand, why in candidates(ns.nproc, 0, 0, batch, ns.seq_len, ns.gpus_per_node, ns.max_pp, n_layers):
+        if why is None:
+            why = _model_refuses(family, args, cand, ns)
         if why is None and cand.cp > ns.max_cp:
             why = f"cp {cand.cp} > --max-cp {ns.max_cp}"
         if why is None and ns.max_replicate is not None and cand.dp_replicate > ns.max_replicate:
@@ -93,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:
             dropped.append((cand, why))
             continue
-        job = JobConfig(config=ns.config, nproc=ns.nproc, global_batch=batch, seq_len=ns.seq_len, device="cpu",
+        job = JobConfig(config=ns.config, **model, nproc=ns.nproc, global_batch=batch, seq_len=ns.seq_len, device="cpu",
                         activation_checkpointing=ns.activation_checkpointing, mixed_precision=ns.mixed_precision,
                         **cand.degrees())
         try:
-            cost = simulated_cost(job, args.n_layers)
+            cost = simulated_cost(job, n_layers)
         except Exception as err:  # a layout the simulation cannot run is reported, not fatal
             dropped.append((cand, f"simulation failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"))
             continue
@@ -116,12 +123,26 @@ def main(argv: list[str] | None = None) -> int:
         comm = ", ".join(f"{a} {t * 1e3:.0f} ms ({p.placement[a]})" for a, t in sorted(p.comm_s.items()))
         print(f"{i}. step {p.step_s:.2f} s (compute {p.compute_s:.2f} s; {comm or 'no communication'}); "
               f"peak {p.cost.peak_memory_bytes / 2**30:.1f} GiB/GPU")
-        print(f"   python -m shardwise.train --config {ns.config} --nproc {ns.nproc} {p.candidate.flags()} "
+        family_flag = f" --family {ns.family}" if ns.family else ""
+        print(f"   python -m shardwise.train{family_flag} --config {ns.config} --nproc {ns.nproc} {p.candidate.flags()} "
               f"--global-batch {batch} --seq-len {ns.seq_len}{extra}")
     shown = dropped if ns.show_dropped else [d for d in dropped if "GiB" in d[1] or "simulation" in d[1]][:6]
     for cand, why in shown:
         print(f"   dropped {cand.flags()}: {why}")
     return 0 if ranked else 1
+
+
+def _model_refuses(family: ModelFamily, args: Any, cand: Candidate, ns: argparse.Namespace) -> str | None:
+    """The family's reason the layout does not fit its shapes (heads not divisible by tp), or None."""
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.train.config import ConfigError
+
+    dims = ParallelDims(**cand.degrees(), world_size=ns.nproc)
+    try:
+        family.check_degrees(args, dims, ns.config)
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
 if __name__ == "__main__":

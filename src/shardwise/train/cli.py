@@ -28,7 +28,8 @@ import os
 import sys
 
 from shardwise.launch.launcher import main_or_launch, under_launcher
-from shardwise.train.config import COMPILE_BACKENDS, CONFIGS, ConfigError, JobConfig, describe_config, is_lead_process
+from shardwise.train.config import COMPILE_BACKENDS, ConfigError, JobConfig, describe_config, is_lead_process
+from shardwise.train.spec import family_names, get_family
 from shardwise.train.run_lock import RunLockError, hold_for_run
 
 __all__ = ["build_parser", "job_from_argv", "main", "EXIT_BAD_JOB"]
@@ -51,11 +52,13 @@ class _HelpFormatter(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     d = JobConfig()
     p = argparse.ArgumentParser(prog=PROG, formatter_class=_HelpFormatter,
-                                description="Train a Llama-style model on the Python standard library's source with "
+                                description="Train a model of any registered family (default: a Llama-style decoder) on the "
+                                "Python standard library's source with "
                                 "any mix of FSDP/HSDP, DDP, TP, SP, loss parallelism, context parallelism (--cp) and pipeline "
                                 "parallelism (--pp).")
-    p.add_argument("--config", default=d.config, metavar="NAME",
-                   help="model shapes: " + "; ".join(describe_config(name) for name in CONFIGS))
+    p.add_argument("--family", default=d.family, metavar="NAME",
+                   help="model family (shardwise.train.spec): " + ", ".join(family_names()))
+    p.add_argument("--config", default=d.config, metavar="NAME", help="model shapes, by family: " + _configs_help())
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes this command starts (default: 1). Under a launcher the launcher sets the "
                         "world size, so leave --nproc out (it is accepted only if equal to it); torchrun rejects it "
@@ -126,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "holding metadata.json, or torch.distributed.checkpoint's .metadata) in this run's parallel layout and world size; needs the saving "
                            "run's --config and --seed")
     return p
+
+
+def _configs_help() -> str:
+    """Each registered family with its configs, each config with its size and what it is for."""
+    families = [get_family(name) for name in family_names()]
+    return "; ".join(f"{f.name}: " + "; ".join(describe_config(f, c) for c in f.configs) for f in families)
 
 
 def _world_size_from_env() -> int | None:

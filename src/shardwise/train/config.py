@@ -1,12 +1,10 @@
-"""Configuration of a training job: model shapes (named configs) and the job itself.
+"""Configuration of a training job: which model (a family and one of its configs) and the job itself.
 
-Two frozen values, validated on construction:
-
-* ``ModelArgs``: the shapes of a Llama-style decoder. ``CONFIGS`` names the ones the CLI knows,
-  from "tiny" (the parity tests) and "debug" (the default, for a CPU) up to "llama3_8b".
-* ``JobConfig``: everything the CLI sets (parallel degrees, batch, schedule, logging). Its
-  ``validate()`` checks the job against its model *without building anything*, so the launcher
-  process can refuse a bad job before any worker starts, and every worker checks again.
+``JobConfig`` is a frozen value holding everything the CLI sets (model family and config,
+parallel degrees, batch, schedule, logging). The model's shapes are the family's own args
+(``shardwise.train.spec``; the built-in families live in ``shardwise.train.models``). Its
+``validate()`` checks the job against its model *without building anything*, so the launcher
+process can refuse a bad job before any worker starts, and every worker checks again.
 
 Validation errors are ``ConfigError`` (a ``ValueError``) with a message that names the flag and
 prints the offending values; the CLI turns them into one line and exit status 2.
@@ -16,114 +14,22 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.launch.launcher import under_launcher
 from shardwise.parallel.dims import ParallelDims
 from shardwise.train.checkpointing import ResumePoint, latest_checkpoint
 from shardwise.train.data import corpus_files
+from shardwise.train.errors import ConfigError
 from shardwise.train.run_lock import RunLockError, check_not_in_use
+from shardwise.train.spec import Args, ModelFamily, get_family
 
-__all__ = ["ConfigError", "ModelArgs", "CONFIGS", "CONFIG_NOTES", "params_label", "describe_config",
-           "get_model_args", "JobConfig", "is_lead_process"]
+__all__ = ["ConfigError", "DEFAULT_FAMILY", "params_label", "describe_config", "get_model_args", "JobConfig",
+           "is_lead_process"]
 
-
-class ConfigError(ValueError):
-    """A job the trainer refuses to start; the message is meant for the command line."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelArgs:
-    """Shapes of a Llama-style decoder (torchtitan naming).
-
-    Args:
-        dim: model (residual stream) width.
-        n_layers: transformer blocks.
-        n_heads: query heads; ``dim`` must be divisible by it (head_dim = dim // n_heads).
-        n_kv_heads: key/value heads (grouped-query attention); must divide ``n_heads``.
-        vocab_size: embedding rows and output columns (256 for the byte tokenizer).
-        multiple_of: the SwiGLU hidden width is rounded up to a multiple of this.
-        ffn_dim_multiplier: optional scale of the SwiGLU hidden width (Llama 3 uses 1.3).
-        norm_eps: RMSNorm epsilon.
-        rope_theta: rotary embedding base.
-        max_seq_len: longest sequence the rotary table covers.
-
-    Example:
-        >>> ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4).hidden_dim
-        192
-    """
-
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    vocab_size: int = 256
-    multiple_of: int = 64
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 2048
-
-    def __post_init__(self) -> None:
-        positive = {k: getattr(self, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
-                                                  "multiple_of", "max_seq_len")}
-        bad = {k: v for k, v in positive.items() if not isinstance(v, int) or v < 1}
-        if bad:
-            raise ConfigError(f"model shapes must be positive integers, got {bad}")
-        if self.dim % self.n_heads:
-            raise ConfigError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if (self.dim // self.n_heads) % 2:
-            raise ConfigError(f"head_dim {self.dim // self.n_heads} must be even for rotary embeddings")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def hidden_dim(self) -> int:
-        """SwiGLU width: 2/3 of 4*dim (same parameter count as a 4x MLP), scaled, rounded up."""
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
-
-    def num_params(self) -> int:
-        """Parameter count, computed from the shapes (no model is built)."""
-        kv = self.n_kv_heads * self.head_dim
-        attention = 2 * self.dim * self.dim + 2 * self.dim * kv
-        feed_forward = 3 * self.dim * self.hidden_dim
-        block = attention + feed_forward + 2 * self.dim
-        return self.n_layers * block + 2 * self.vocab_size * self.dim + self.dim
-
-
-CONFIGS: dict[str, ModelArgs] = {
-    # Parity tests: smallest shapes that still divide by tp=4 everywhere (heads, kv heads, hidden).
-    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, multiple_of=32),
-    # Pipeline parity tests: tiny with four blocks (interleaved 1F1B over 2 ranks runs 4 stages).
-    "tiny4": ModelArgs(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=32),
-    # The default: learns visibly on a CPU (see CONFIG_NOTES for its measured speed).
-    "debug": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=256),
-    # Eight blocks of width 512, for a GPU.
-    "small": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, multiple_of=256),
-    # Llama 3 8B shapes (GPUs only); the byte tokenizer uses the first 256 embedding rows.
-    "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                           multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
-}
-
-# What each config is for, shown by --help next to its size. Sizes are never written by hand:
-# ``describe_config`` computes them from the shapes (a test keeps hand-written ones out). The
-# speed is measured: ``python -m shardwise.train --config debug --steps 10`` with one torch thread
-# on a shared x86 server core, 0.79-0.80 s per step at the default 8 x 128 tokens.
-CONFIG_NOTES: dict[str, str] = {
-    "tiny": "the parity tests' model",
-    "tiny4": "tiny with four blocks, for the pipeline parity tests",
-    "debug": "learns on a CPU, about 0.8 s per step on one core at the default batch",
-    "small": "for a GPU",
-    "llama3_8b": "Llama 3 8B shapes, GPUs only",
-}
+DEFAULT_FAMILY = "llama"  # --family's default: every command without it trains this family
 
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "inductor+comm", "aot_eager+comm")  # +comm: comm_schedule
@@ -134,17 +40,15 @@ def params_label(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
 
 
-def describe_config(name: str) -> str:
+def describe_config(family: ModelFamily, name: str) -> str:
     """``debug (3.28M params: learns on a CPU, ...)``: the size computed from the shapes."""
-    return f"{name} ({params_label(CONFIGS[name].num_params())} params: {CONFIG_NOTES[name]})"
+    note = family.notes.get(name)
+    return f"{name} ({params_label(family.num_params(family.configs[name]))} params{': ' + note if note else ''})"
 
 
-def get_model_args(name: str) -> ModelArgs:
-    """The named model shapes, or a ``ConfigError`` listing the known names."""
-    try:
-        return CONFIGS[name]
-    except KeyError:
-        raise ConfigError(f"unknown config {name!r}; known configs: {', '.join(CONFIGS)}") from None
+def get_model_args(name: str, family: str = DEFAULT_FAMILY) -> Args:
+    """The named config's args of ``family``, or a ``ConfigError`` naming the unknown one."""
+    return get_family(family).config(name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +56,10 @@ class JobConfig:
     """One training job, as the command line describes it.
 
     Args:
-        config: name of the model shapes in ``CONFIGS``.
+        family: the model family (``shardwise.train.spec``; default the built-in Llama).
+        config: name of one of the family's configs (its model shapes).
+        shapes: the family's args themselves, used instead of the named config's (``shardwise.plan``
+            simulates a config with fewer blocks); None: the named config's.
         nproc: processes (ranks) in the job.
         dp_replicate / dp_shard / cp / tp: parallel degrees (dp_shard=-1 takes what is left); cp
             shards each sequence over the cp ranks (ring attention, load-balanced layout).
@@ -189,6 +96,8 @@ class JobConfig:
     """
 
     config: str = "debug"
+    family: str = DEFAULT_FAMILY
+    shapes: Any = None
     nproc: int = 1
     dp_replicate: int = 1
     dp_shard: int = -1
@@ -223,10 +132,15 @@ class JobConfig:
     simulate: bool = False  # --simulate: no workers, one process simulates every rank (shardwise.simulate)
 
     # ------------------------------------------------------------------ derived values
-    def model_args(self) -> ModelArgs:
-        """The named shapes with the rotary table sized for this job's sequences."""
-        args = get_model_args(self.config)
-        return replace(args, max_seq_len=max(args.max_seq_len, self.seq_len))
+    def model_family(self) -> ModelFamily:
+        """The registered family of ``family`` (``ConfigError`` naming it if unknown)."""
+        return get_family(self.family)
+
+    def model_args(self) -> Args:
+        """The model's shapes (``shapes``, or the named config's) fitted to this job's sequences."""
+        family = self.model_family()
+        args = self.shapes if self.shapes is not None else family.config(self.config)
+        return family.for_seq_len(args, self.seq_len)
 
     def parallel_dims(self) -> ParallelDims:
         """The degrees as a validated ``ParallelDims`` (dp_shard=-1 resolved)."""
@@ -302,7 +216,8 @@ class JobConfig:
         model = self.model_args()
         dims = self.parallel_dims()
         self._check_batch(dims)
-        self._check_layout(model, dims)
+        self.model_family().check_degrees(model, dims, self.config)
+        self._check_layout(dims)
         self._check_pipeline(model, dims)
         self._check_checkpointing()
         self._check_outputs()
@@ -347,13 +262,10 @@ class JobConfig:
                 f"dp_replicate*dp_shard = {dims.dp_replicate}*{dims.dp_shard} = {dp}"
             )
 
-    def _check_layout(self, model: ModelArgs, dims: ParallelDims) -> None:
+    def _check_layout(self, dims: ParallelDims) -> None:
+        """The flags that shard over the tp and cp axes fit the degrees (the model's own shapes
+        are its family's to check: ``ModelFamily.check_degrees``)."""
         tp = dims.tp
-        if model.n_heads % tp or model.n_kv_heads % tp:
-            raise ConfigError(
-                f"--tp {tp} must divide the attention heads of config {self.config!r}: "
-                f"n_heads={model.n_heads}, n_kv_heads={model.n_kv_heads}"
-            )
         if (self.sequence_parallel or self.loss_parallel) and tp == 1:
             used = [f for f, on in (("--sequence-parallel", self.sequence_parallel),
                                     ("--loss-parallel", self.loss_parallel)) if on]
@@ -375,7 +287,7 @@ class JobConfig:
             raise ConfigError(f"--seq-len {self.seq_len} / --cp {dims.cp} is not divisible by --tp {tp} (needed by "
                               f"--sequence-parallel on each cp rank's part of the sequence)")
 
-    def _check_pipeline(self, model: ModelArgs, dims: ParallelDims) -> None:
+    def _check_pipeline(self, model: Args, dims: ParallelDims) -> None:
         """Pipeline flags: stages of equally many layers, microbatches that split each rank's batch."""
         from shardwise.parallel.pipeline_parallel.split import SCHEDULES, pipeline_problems
 
@@ -388,7 +300,7 @@ class JobConfig:
             return
         if self.pp_schedule not in SCHEDULES:
             raise ConfigError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}")
-        problems = pipeline_problems(model.n_layers, dims.pp, self.pp_schedule, self.microbatches,
+        problems = pipeline_problems(self.model_family().num_layers(model), dims.pp, self.pp_schedule, self.microbatches,
                                      self.global_batch // dims.dp_degree)
         if problems:
             raise ConfigError(problems[0].replace("the model's", f"config {self.config!r}'s", 1))

@@ -4,8 +4,9 @@
 started without a launcher). Steps:
 
 1. ``Runtime``: process group (gloo on CPU, nccl on CUDA) and the world mesh from the degrees.
-2. The model, built on the meta device, parallelized, then each rank initializes only its
-   blocks from the job's seed (``build_llama``): the weights of the one-process run.
+2. The model of the job's family (``shardwise.train.spec``), built on the meta device,
+   parallelized, then each rank initializes only its blocks from the job's seed
+   (``build_parallel_model``): the weights of the one-process run.
    With ``--pp`` each rank builds only its pipeline stages (``build_pipeline``), and a
    ``PipelineRunner`` (torch.distributed.pipelining's schedules) runs each step's microbatches
    through them; the last stage's loss is shared with every pipeline rank.
@@ -55,10 +56,11 @@ from shardwise.train.checkpointing import Checkpointer, TrainState, latest_check
 from shardwise.train.config import ConfigError, JobConfig, params_label
 from shardwise.train.data import BatchSource, load_corpus
 from shardwise.train.metrics import RunMetrics
-from shardwise.train.parallelize import ParallelOptions, build_llama, fsdp_applies_mixed_precision
+from shardwise.train.parallelize import ParallelOptions, build_parallel_model, fsdp_applies_mixed_precision
+from shardwise.train.spec import ModelFamily
 from shardwise.train.plot import write_loss_plot
 
-__all__ = ["Runtime", "resolve_device", "run_job", "train", "train_step", "lr_factor", "build_model", "loss_fn",
+__all__ = ["Runtime", "resolve_device", "run_job", "train", "train_step", "lr_factor", "parallel_options", "build_model", "loss_fn",
            "Progress", "NonFiniteLoss", "EXIT_NON_FINITE_LOSS"]
 
 EXIT_NON_FINITE_LOSS = 3
@@ -203,22 +205,37 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def parallel_options(job: JobConfig) -> ParallelOptions:
+    """How to parallelize beyond the degrees: the job's flags."""
+    return ParallelOptions(job.sequence_parallel, job.loss_parallel, job.activation_checkpointing,
+                           job.mixed_precision, job.compile_backend if job.compile else None)
+
+
 def build_model(job: JobConfig, runtime: Runtime, materialize: bool = True) -> torch.nn.Module:
     """The model from ``job.seed``, built on meta, parallelized, then each rank initializes its blocks.
 
-    The parameters equal those of ``Transformer`` built whole on one device from the same seed
-    (``build_llama``), and no rank ever allocates more than its own shards.
+    The parameters equal those of the family's model built whole on one device from the same
+    seed (``build_parallel_model``), and no rank ever allocates more than its own shards.
     """
     sw_random.manual_seed(job.seed)
-    options = ParallelOptions(job.sequence_parallel, job.loss_parallel, job.activation_checkpointing,
-                              job.mixed_precision, job.compile_backend if job.compile else None)
-    model = build_llama(job.model_args(), runtime.dims, runtime.world_mesh, options, runtime.device,
-                        materialize=materialize)  # False: meta blocks (a simulation)
+    family = job.model_family()
+    model = build_parallel_model(family, job.model_args(), runtime.dims, runtime.world_mesh, parallel_options(job),
+                                 runtime.device, materialize=materialize)  # False: meta blocks (a simulation)
     if runtime.cp_mesh is not None:
-        # The rotary table is sharded along the sequence with the inputs at every step: it must
-        # cover exactly one sequence (positions 0 .. seq_len-1) so each part keeps its global positions.
-        model.rotary = model.rotary[:job.seq_len].clone()
+        _fit_sequence_buffers(family, [model], job.seq_len)
     return model
+
+
+def _fit_sequence_buffers(family: ModelFamily, modules: list[torch.nn.Module], seq_len: int) -> None:
+    """Cut the family's sequence buffers (a rotary table) to one sequence, one tensor shared by ``modules``.
+
+    Under context parallelism they are sharded along the sequence with the inputs at every
+    step: they must cover exactly positions 0 .. seq_len-1 so each part keeps its global positions.
+    """
+    for name, dim in family.sequence_buffers.items():
+        fitted = getattr(modules[0], name).narrow(dim, 0, seq_len).clone()
+        for module in modules:
+            setattr(module, name, fitted)
 
 
 def build_pipeline(job: JobConfig, runtime: Runtime, materialize: bool = True):
@@ -230,17 +247,14 @@ def build_pipeline(job: JobConfig, runtime: Runtime, materialize: bool = True):
     ``materialize=False`` (a simulation): meta blocks, and the stages run on meta tensors.
     """
     from shardwise.parallel.pipeline_parallel.pipeline import PipelineRunner
-    from shardwise.train.parallelize import build_llama_stages
+    from shardwise.train.parallelize import build_stages
 
     sw_random.manual_seed(job.seed)
-    options = ParallelOptions(job.sequence_parallel, job.loss_parallel, job.activation_checkpointing,
-                              job.mixed_precision, job.compile_backend if job.compile else None)
-    held = build_llama_stages(job.model_args(), runtime.dims, runtime.world_mesh, options, runtime.device,
-                              job.pp_schedule, materialize=materialize)
-    if runtime.cp_mesh is not None:  # as build_model: the table covers one sequence (one tensor, shared)
-        rotary = held.model.rotary[:job.seq_len].clone()
-        for module in (*held.stages, held.model):
-            module.register_buffer("rotary", rotary, persistent=False)
+    family = job.model_family()
+    held = build_stages(family, job.model_args(), runtime.dims, runtime.world_mesh, parallel_options(job),
+                        runtime.device, job.pp_schedule, materialize=materialize)
+    if runtime.cp_mesh is not None:  # as build_model (one tensor shared by the stages)
+        _fit_sequence_buffers(family, [held.model, *held.stages], job.seq_len)
     device = runtime.device if materialize else torch.device("meta")
     runner = PipelineRunner(held.stages, held.indices, held.num_stages, runtime.pp_mesh, device,
                             job.pp_schedule, job.microbatches, loss_fn)
@@ -259,15 +273,16 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _step_context(job: JobConfig, runtime: Runtime, model: torch.nn.Module, inputs: torch.Tensor,
                   labels: torch.Tensor) -> contextlib.AbstractContextManager:
-    """context_parallel over the cp axis (inputs, labels and the rotary table sharded along the
-    sequence; inputs and labels keep their part); loss_parallel for vocabulary-sharded logits;
-    bf16 autocast when FSDP does not cast."""
+    """context_parallel over the cp axis (inputs, labels and the family's sequence buffers sharded
+    along the sequence; inputs and labels keep their part); loss_parallel for vocabulary-sharded
+    logits; bf16 autocast when FSDP does not cast."""
     stack = contextlib.ExitStack()
     if runtime.cp_mesh is not None:
         from shardwise.parallel import context_parallel
 
-        stack.enter_context(context_parallel(runtime.cp_mesh, buffers=[inputs, labels, model.rotary],
-                                             seq_dims=[1, 1, 0], no_restore_buffers={inputs, labels}))
+        along = job.model_family().sequence_buffers
+        stack.enter_context(context_parallel(runtime.cp_mesh, buffers=[inputs, labels, *(getattr(model, n) for n in along)],
+                                             seq_dims=[1, 1, *along.values()], no_restore_buffers={inputs, labels}))
     if job.loss_parallel:
         from shardwise.parallel import loss_parallel
 
@@ -321,8 +336,8 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
         NonFiniteLoss: on every rank at the same step, when the loss became nan or inf.
     """
     progress = progress if progress is not None else Progress()
-    args = job.model_args()
-    _say(runtime, f"shardwise.train: config {job.config!r} ({params_label(args.num_params())} params), "
+    family = job.model_family()
+    _say(runtime, f"shardwise.train: config {job.config!r} ({params_label(family.num_params(job.model_args()))} params), "
                   f"{job.nproc} rank(s) on {runtime.device.type}, layout {job.layout()}, "
                   f"global batch {job.global_batch} x {job.seq_len} tokens, {job.steps} steps")
     runner, names = None, None

@@ -1,10 +1,11 @@
 """A Llama-style decoder, written for one device.
 
 Nothing here knows about meshes or processes: tensor parallelism, sequence parallelism and
-FSDP are applied from outside by ``parallelize.py``. The code only has to be written so that it
-keeps working when each rank holds a slice of the heads: attention reshapes with ``-1`` head
-counts (``view(bs, seqlen, -1, head_dim)``), so a column-sharded ``wq`` that outputs
-``n_heads / tp`` heads per rank needs no change here.
+FSDP are applied from outside (this family's ``parallelize.py``, then the trainer's generic
+``shardwise.train.parallelize``). The code only has to be written so that it keeps working
+when each rank holds a slice of the heads: attention reshapes with ``-1`` head counts
+(``view(bs, seqlen, -1, head_dim)``), so a column-sharded ``wq`` that outputs ``n_heads / tp``
+heads per rank needs no change here.
 
 Module names follow torchtitan (``tok_embeddings``, ``layers.<i>.attention.wq``,
 ``feed_forward.w1``, ``attention_norm``, ``ffn_norm``, ``norm``, ``output``), which is what the
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.tensor.random import layout_independent
-from shardwise.train.config import ModelArgs
+from shardwise.train.models.llama.args import ModelArgs
 
 __all__ = ["Attention", "FeedForward", "TransformerBlock", "Transformer", "rotary_table", "apply_rotary"]
 

@@ -1,0 +1,7 @@
+"""The built-in model families, one folder each; importing this package registers them.
+
+``shardwise.train.spec.get_family`` imports it on first use. A family of your own registers
+itself the same way (README, "Adding a model family").
+"""
+
+from shardwise.train.models import llama  # noqa: F401  (registers "llama")
