@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 import torch
 
 from shardwise import comm
+from shardwise.tensor import random as sw_random
 from shardwise.tensor.dtensor import DTensor
 from shardwise.core.mesh import DeviceMesh, default_mesh, world_mesh
 from shardwise.core.placement import Partial, Placement, Replicate, Shard, as_placements
@@ -162,8 +163,6 @@ def _random_block(kind: str) -> Fill:
     depend on the mesh or placements. Every rank, also one holding an empty block, advances
     the stream by the global element count.
     """
-    from shardwise.tensor import random as sw_random
-
     def fill(shape, local_shape, offset, options):
         return sw_random.draw(kind, shape, offset, local_shape, **options)
 
