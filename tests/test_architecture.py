@@ -1,8 +1,9 @@
 """Arrows point down: the import graph of shardwise has no circles and no reach-ins.
 
 Pure: every module under ``src/shardwise`` is parsed with ``ast``, nothing is imported (except
-for the public-names check at the end). The layering the README's "Layout" section describes
-(core below comm below tensor and dispatch, debug and the trainer on top) holds only as long as
+for the public-names check at the end). The layering README.md's "Layout of the code" describes
+(comm's timeout below the mesh, the mesh below the rest of comm, comm below tensor and dispatch,
+debug and the trainer on top) holds only as long as
 nothing imports upwards; a function-level import that dodges a circle at import time is still
 an arrow pointing up, so imports inside functions count too. Imports under
 ``if TYPE_CHECKING:`` never run and are left out of the graph.
