@@ -9,6 +9,7 @@ One module per concern, each importing only those listed before it:
 * ``stall``: on a timeout, which ranks did not arrive;
 * ``issue``: the one issuing path (sequence numbers, recent calls, traced vs eager, the
   pre-issue check hook that ``shardwise.debug.check_collectives`` uses);
+* ``bytes``: what an all_reduce sends, per rank (pure; the redistribute planner prices it too);
 * ``collectives``: all_gather, reduce_scatter, all_reduce, all_to_all, ... and their async forms.
 
 This module re-exports their public names, so callers write ``comm.all_gather(...)``.
