@@ -14,7 +14,6 @@ from torch import nn
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard
 from shardwise.debug import CommCounts, CommDebugMode, visualize_sharding
-from shardwise.debug import context
 from shardwise.debug.visualize import Block, render_sharding, sharding_blocks
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -184,25 +183,6 @@ def test_tp_linear_counts_per_module_forward_and_backward(dist):
         assert "        #1   forward   all_reduce      on tp       112 B" in tables[2].splitlines()
         assert sharding == {"Sequential.0.weight": (Shard(0),), "Sequential.0.bias": (Shard(0),),
                             "Sequential.2.weight": (Shard(1),), "Sequential.2.bias": (Replicate(),)}
-
-
-def _announced_layouts():
-    """What the table shows once the redistribute path announces its layouts (context module)."""
-    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-    dt = sw.distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)], src_data_rank=None)
-    dst = dt._spec.with_placements([Replicate()])
-    with CommDebugMode() as comms:
-        with context.redistributing(dt._spec, dst), context.during_op(torch.ops.aten.mm.default):
-            dt.redistribute(mesh, [Replicate()])
-        dt.redistribute(mesh, [Replicate()])
-    return str(comms.records[0]), comms.records[1].cause, comms.generate_comm_debug_tracing_table(2)
-
-
-def test_table_shows_the_layouts_a_collective_served(dist):
-    first, second_cause, table = dist.run(4, _announced_layouts)[0]
-    assert first == "all_gather on tp (96 B) in Global: f32[8@tp,4] -> f32[8,4] for aten.mm.default"
-    assert second_cause is None
-    assert "    #1   forward   all_gather      on tp       96 B  f32[8@tp,4] -> f32[8,4] for aten.mm.default" in table.splitlines()
 
 
 def _visualize():

@@ -2,8 +2,13 @@
 (SHARDWISE_CHECK_COLLECTIVES / check_collectives), on real gloo groups."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
+
+import pytest
 
 import torch
 import torch.distributed as dist
@@ -43,7 +48,7 @@ def _explain_tp_mlp():
             nested = "no error"
         except RuntimeError as err:
             nested = str(err)
-    restored = dtensor.dispatch is dispatcher.dispatch and not comm._RECORDERS
+    restored = dtensor.dispatch is dispatcher.dispatch and not comm.recording()
     comm_records = [(r.kind, r.axis_name, r.bytes_sent, r.module, r.phase.value) for r in comms.records]
     return {"json": ex.to_json(), "text": ex.render(rich=False), "str": str(ex), "values_ok": values_ok,
             "comm_records": comm_records, "nested": nested, "restored": restored, "rank": dist.get_rank()}
@@ -108,7 +113,7 @@ def _diverge_and_time():
         _diverge()
     except CollectiveMismatch as err:
         took = time.monotonic() - began
-        if took > 10 or comm._issue.__name__ != "_issue":  # off again after the block
+        if took > 10 or comm.pre_issue_check() is not None:  # off again after the block
             raise AssertionError(f"took {took:.1f} s or the check stayed on") from err
         raise
 
@@ -128,17 +133,28 @@ def test_the_check_turns_a_diverging_program_into_one_error_on_every_rank(dist):
 
 
 def test_the_check_is_off_by_default_and_on_from_the_environment(monkeypatch):
-    """Off: comm's own _issue, nothing in between. The variable turns it on (comm.py calls
-    enable_from_env at import when it is set)."""
+    """Off: no pre-issue check on comm's issuing path. The variable turns it on
+    (``shardwise/__init__.py`` calls enable_from_env at import when it is set)."""
     from shardwise.debug import check
 
-    assert not checking() and comm._issue is check._ORIGINAL_ISSUE
+    assert not checking() and comm.pre_issue_check() is None
     for value, on in (("0", False), ("", False), ("1", True)):
         monkeypatch.setenv(check.CHECK_ENV, value)
         check.enable_from_env()
         assert checking() is on
         check_collectives(False)
-    assert comm._issue is check._ORIGINAL_ISSUE
+    assert comm.pre_issue_check() is None
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("0", False)])
+def test_the_environment_variable_is_read_when_shardwise_is_imported(value, on):
+    """A fresh process that imports only ``shardwise.comm`` has the check on exactly when the
+    variable says so (its package's ``__init__`` runs first and reads it)."""
+    code = "import shardwise.comm as c; print(c.pre_issue_check() is not None)"
+    env = {**os.environ, "SHARDWISE_CHECK_COLLECTIVES": value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(on)
 
 
 # ---------------------------------------------------------------------- the trainer's --explain

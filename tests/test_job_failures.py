@@ -390,12 +390,11 @@ def test_launch_command_line(monkeypatch, capsys):
 def test_gloo_failure_wordings_are_classified(text, kind):
     """Each wording gloo uses for a timeout (either: the wait expiring, or the timeout closing the
     connection first) and for a lost peer; anything else is gloo's own error, re-raised."""
-    found = "timeout" if comm._TIMED_OUT.search(text) else "peer" if comm._PEER_GONE.search(text) else None
-    assert found == kind, text
+    assert comm.classify(text) == kind, text
 
 
 def test_collective_timeout_setting(monkeypatch):
-    monkeypatch.setattr(comm, "_timeout_s", None)
+    monkeypatch.setattr(comm.timeout, "_timeout_s", None)
     monkeypatch.delenv(comm.TIMEOUT_ENV, raising=False)
     assert comm.collective_timeout() == timedelta(seconds=comm.DEFAULT_COLLECTIVE_TIMEOUT_S)
     monkeypatch.setenv(comm.TIMEOUT_ENV, "12.5")
@@ -405,13 +404,13 @@ def test_collective_timeout_setting(monkeypatch):
     for bad in (0, -1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="positive number of seconds"):
             comm.set_collective_timeout(bad)
-    monkeypatch.setattr(comm, "_timeout_s", None)
+    monkeypatch.setattr(comm.timeout, "_timeout_s", None)
     monkeypatch.setenv(comm.TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match=r"\$SHARDWISE_COLLECTIVE_TIMEOUT='soon' is not a number of seconds"):
         comm.collective_timeout()
 
 
-def test_stall_diagnosis_names_absent_ranks_and_ranks_stuck_elsewhere(monkeypatch):
+def test_stall_diagnosis_names_absent_ranks_and_ranks_stuck_elsewhere():
     """Four ranks of a group: 0 times out on all_reduce #7; 1 posted the same; 2 waits in
     another collective; 3 posted nothing. Each post's last collectives are listed, per rank."""
     store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
@@ -421,9 +420,9 @@ def test_stall_diagnosis_names_absent_ranks_and_ranks_stuck_elsewhere(monkeypatc
     for rank, posted in ((1, call), (2, other)):
         store.set(f"{stall.STALL_PREFIX}{rank}", json.dumps({"key": stall._key(posted), "desc": posted.describe(),
                                                              "last": last[rank]}))
-    monkeypatch.setattr(stall, "last_issued", lambda: ["all_reduce #6 on 'dp'", "all_reduce #7 on 'dp'"])
+    recent = [comm.CollectiveCall("all_reduce", 6, (0, 1, 2, 3), "dp", 4096), call]
     began = time.monotonic()
-    missing, message = stall.diagnose(call, 0, 2.0, store=store)
+    missing, message = stall.diagnose(call, 0, 2.0, store=store, recent=recent)
     assert missing == (3,)
     assert message == ("rank 0 waited 2 s for all_reduce #7 over mesh axis 'dp' (ranks [0, 1, 2, 3], 4.0 KiB); "
                        "rank 3 did not arrive; rank 2 is waiting on broadcast #2 over mesh axis 'tp' (ranks [2, 5], "

@@ -130,13 +130,13 @@ def _norm_grad_layouts():
 
 def _fused_rms_norm_backward_plan():
     """No CPU kernel for ``_fused_rms_norm_backward``: check its propagation (layouts) only."""
-    from shardwise.dispatch.dispatcher import _propagate
+    from shardwise.dispatch.dispatcher import plan_call
 
     mesh = sw.init_device_mesh("cpu", (4,))
     rows = lambda t: sw.distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
     args = (rows(torch.randn(7, 8)), rows(torch.randn(7, 8)), [8], rows(torch.randn(7, 1)),
             sw.distribute_tensor(torch.randn(8), mesh, [Replicate()]), [True, True])
-    plan = _propagate(aten._fused_rms_norm_backward.default, args, {}, [a for a in args if isinstance(a, DTensor)])
+    plan = plan_call(aten._fused_rms_norm_backward.default, args, {}, [a for a in args if isinstance(a, DTensor)])
     return plan.moves_inputs, [s.placements for s in plan.output_specs]
 
 

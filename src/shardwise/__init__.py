@@ -3,6 +3,8 @@
 The public names mirror ``torch.distributed.tensor`` so that switching imports is enough.
 """
 
+import os as _os
+
 from shardwise.tensor.factories import distribute_tensor, empty, full, ones, rand, randn, zeros
 from shardwise.tensor.clip_grad import clip_grad_norm_
 from shardwise.dispatch import allow_replicate_fallback, implicit_replication, register_sharding
@@ -22,3 +24,8 @@ __all__ = [
     "implicit_replication", "allow_replicate_fallback", "register_sharding", "manual_seed",
     "clip_grad_norm_",
 ]
+
+if _os.environ.get("SHARDWISE_CHECK_COLLECTIVES"):  # read once, at import: see shardwise.debug.check
+    from shardwise.debug.check import enable_from_env as _enable_check
+
+    _enable_check()

@@ -1,7 +1,9 @@
 """What a load or consolidate reads from: a committed checkpoint directory or one safetensors file.
 
 ``open_source`` gives the metadata (parsed and validated) and the directory its file names are
-relative to. A plain safetensors file (say ``model.state_dict()`` saved by
+relative to (a ``Source``, ``checkpoint/readable.py``: the readers of torch's and Hugging Face's
+formats in ``shardwise.interop`` build one too, and import that module, not this one, so the
+arrow from here to them is the only one). A plain safetensors file (say ``model.state_dict()`` saved by
 ``safetensors.torch.save_file``) is seen as a checkpoint whose every tensor is one chunk
 without a checksum. ``ChunkReader`` fetches chunks: a chunk with a checksum is read whole and
 verified; one without is read only where needed (``safe_open(...).get_slice``).
@@ -11,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
@@ -20,28 +20,10 @@ from shardwise.checkpoint.commit import committed_dir
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import METADATA_FILE, Chunk, Metadata, TensorEntry, crc32_of, name_to_dtype
 from shardwise.checkpoint.assignment import Block
+from shardwise.checkpoint.readable import DCP_METADATA_FILE, HF_INDEX_FILE, HF_SINGLE_FILE, Source
 from shardwise.checkpoint.safetensors_io import open_file
 
 __all__ = ["Source", "open_source", "ChunkReader", "DCP_METADATA_FILE", "HF_INDEX_FILE"]
-
-DCP_METADATA_FILE = ".metadata"  # what marks a torch.distributed.checkpoint directory
-HF_INDEX_FILE = "model.safetensors.index.json"  # Hugging Face's index of a sharded checkpoint
-HF_SINGLE_FILE = "model.safetensors"  # ... and its one file when the model fits in one
-
-
-@dataclass(frozen=True)
-class Source:
-    """A readable checkpoint: its metadata, the directory of its files, a label for messages.
-
-    ``opener`` opens one of its files as a context manager with safetensors' ``get_tensor`` /
-    ``get_slice``; another format (a ``torch.distributed.checkpoint`` directory) brings its own.
-    """
-
-    metadata: Metadata
-    directory: str
-    label: str
-    opener: Callable[[str], Any] = open_file
-
 
 def open_source(path: str) -> Source:
     """The checkpoint at ``path``: a directory saved by ``save``, or a ``.safetensors`` file.

@@ -12,8 +12,9 @@ then gives the other members of its group a short grace to post theirs:
 * a member that posted nothing did not arrive: it is dead, stuck outside any collective, or
   far behind.
 
-Each post also carries the last collectives that rank issued (``comm.recent_calls``), and the
-message lists them per rank that posted: where the ranks parted.
+Each post also carries the last collectives that rank issued (``recent``: the issuing path's
+``recent_calls``, passed in so this module needs nothing above ``errors``), and the message
+lists them per rank that posted: where the ranks parted.
 
 Nothing is stored or exchanged until a collective has already failed.
 """
@@ -23,12 +24,11 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Sequence
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from shardwise.comm import CollectiveCall
+from shardwise.comm.errors import CollectiveCall
 
 __all__ = ["diagnose", "grace_seconds", "job_store", "STALL_PREFIX"]
 
@@ -58,21 +58,22 @@ def job_store() -> dist.Store | None:
         return None
 
 
-def diagnose(call: "CollectiveCall", rank: int, timeout_s: float,
-             store: dist.Store | None = None) -> tuple[tuple[int, ...] | None, str]:
+def diagnose(call: CollectiveCall, rank: int, timeout_s: float, store: dist.Store | None = None,
+             recent: Sequence[CollectiveCall] = ()) -> tuple[tuple[int, ...] | None, str]:
     """Post this rank's stalled ``call``, collect the group's posts; return (missing ranks, message).
 
     The message is one line: ``rank 0 waited 5 s for all_reduce #3 over mesh axis 'dp' (ranks
     [0, 1], 16 B); rank 1 did not arrive; last collectives issued: rank 0: all_gather #2 on
     'dp', all_reduce #3 on 'dp'``. Missing is None when the store is unreachable.
-    ``store`` defaults to the job's (``job_store``).
+    ``store`` defaults to the job's (``job_store``); ``recent`` are this rank's last collectives,
+    oldest first.
     """
     head = f"rank {rank} waited {timeout_s:g} s for {call.describe()}"
     store = store if store is not None else job_store()
     if store is None:
         return None, f"{head}; which ranks did not arrive is unknown (no process-group store)"
     others = [r for r in call.group_ranks if r != rank]
-    last = last_issued()
+    last = short_history(recent)
     try:
         store.set(f"{STALL_PREFIX}{rank}", json.dumps({"key": _key(call), "desc": call.describe(), "last": last}))
         posts = _collect(store, others, grace_seconds(timeout_s))
@@ -84,12 +85,9 @@ def diagnose(call: "CollectiveCall", rank: int, timeout_s: float,
     return missing, head + _verdict(missing, elsewhere) + _histories(histories)
 
 
-def last_issued() -> list[str]:
-    """This rank's last collectives, oldest first, short: ``all_reduce #3 on 'dp'``."""
-    from shardwise import comm
-
-    return [f"{c.kind} #{c.seq} on " + (repr(c.axis) if c.axis is not None else "all ranks")
-            for c in comm.recent_calls()]
+def short_history(calls: Sequence[CollectiveCall]) -> list[str]:
+    """``calls`` in short, in their order: ``all_reduce #3 on 'dp'``."""
+    return [f"{c.kind} #{c.seq} on " + (repr(c.axis) if c.axis is not None else "all ranks") for c in calls]
 
 
 def _histories(histories: dict[int, list[str]]) -> str:
@@ -98,7 +96,7 @@ def _histories(histories: dict[int, list[str]]) -> str:
     return "; last collectives issued: " + "; ".join(parts) if parts else ""
 
 
-def _key(call: "CollectiveCall") -> list:
+def _key(call: CollectiveCall) -> list:
     """``call.key()`` as it reads back from JSON."""
     return [call.kind, call.seq, list(call.group_ranks)]
 

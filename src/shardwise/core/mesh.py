@@ -27,7 +27,10 @@ import torch
 import torch.distributed as dist
 from torch._opaque_base import OpaqueBase
 
-__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
+from shardwise.comm.timeout import collective_timeout, remember_group
+
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "default_mesh", "world_mesh", "axis_slices",
+           "group_cached", "forget_groups", "UNPICKLE_FUNCTIONS"]
 
 # Rank tuple -> process group. Shared by all meshes of the process so each group exists once.
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -60,6 +63,24 @@ def current_mesh() -> "DeviceMesh | None":
     return _MESH_STACK[-1] if _MESH_STACK else None
 
 
+_DEFAULT_MESHES: dict[str, "DeviceMesh"] = {}  # device type -> its world mesh
+
+
+def default_mesh(device_type: str = "cpu") -> "DeviceMesh":
+    """The mesh used when none is given: the innermost ``with mesh:``, else ``world_mesh``."""
+    current = current_mesh()
+    return current if current is not None else world_mesh(device_type)
+
+
+def world_mesh(device_type: str = "cpu") -> "DeviceMesh":
+    """A 1-D mesh over the whole world (fully_shard's and replicate's default, as in torch)."""
+    mesh = _DEFAULT_MESHES.get(device_type)
+    if mesh is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        mesh = _DEFAULT_MESHES[device_type] = init_device_mesh(device_type, (world,))
+    return mesh
+
+
 def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     """The cached process group over ``ranks`` (creating it on every rank if new)."""
     group = _GROUPS.get(ranks)
@@ -67,11 +88,10 @@ def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup:
         if ranks == tuple(range(dist.get_world_size())):
             group = dist.group.WORLD
         else:
-            from shardwise.comm import collective_timeout  # here: comm imports this module
-
             # new_group's own default is gloo's 30 minutes, whatever the default group has.
             group = dist.new_group(list(ranks), timeout=collective_timeout())
         _GROUPS[ranks] = group
+        remember_group(group)
     return group
 
 
@@ -83,7 +103,19 @@ def adopt_group(ranks: tuple[int, ...], group: object) -> None:
     ``ranks`` may pass any placeholder; it never uses the group, but caching it keeps every
     rank's sequence of group creations the same.
     """
-    _GROUPS.setdefault(tuple(ranks), group)
+    if _GROUPS.setdefault(tuple(ranks), group) is group:
+        remember_group(group)
+
+
+def forget_groups() -> None:
+    """Forget every cached process group: the next mesh creates its own (a new world, as the
+    simulator starts for each simulated rank)."""
+    _GROUPS.clear()
+
+
+def group_cached(ranks: tuple[int, ...]) -> bool:
+    """Whether a mesh already asked for the process group over ``ranks`` (so it exists on every rank)."""
+    return ranks in _GROUPS
 
 
 def num_cached_groups() -> int:
@@ -95,7 +127,7 @@ def _current_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def _axis_slices(family: torch.Tensor, sub_ndim: int) -> list[list[tuple[int, ...]]]:
+def axis_slices(family: torch.Tensor, sub_ndim: int) -> list[list[tuple[int, ...]]]:
     """For each of the last ``sub_ndim`` axes of ``family``, every 1-D slice along it.
 
     ``family`` stacks every rank's version of a mesh: its leading dims enumerate the copies,
@@ -160,7 +192,7 @@ class DeviceMesh(OpaqueBase):
     def _init_groups(self, family: torch.Tensor) -> list[dist.ProcessGroup]:
         """Create (or reuse) every slice group of every axis; return the ones containing us."""
         mine = []
-        for axis, slices in enumerate(_axis_slices(family, self.mesh.ndim)):
+        for axis, slices in enumerate(axis_slices(family, self.mesh.ndim)):
             own = None
             for ranks in slices:
                 group = _group_for(ranks)
@@ -455,8 +487,6 @@ def init_device_mesh(
     if any(s <= 0 for s in mesh_shape):
         raise ValueError(f"mesh_shape {mesh_shape} must have positive sizes")
     if not dist.is_initialized():
-        from shardwise.comm import collective_timeout  # here: comm imports this module
-
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=collective_timeout())
     world = dist.get_world_size()
@@ -466,3 +496,8 @@ def init_device_mesh(
         )
     grid = torch.arange(world).reshape(mesh_shape)
     return DeviceMesh(device_type, grid, mesh_dim_names=names)
+
+
+# What ``DeviceMesh.__reduce__`` pickles meshes with: ``torch.load(weights_only=True)`` must allow
+# them (``shardwise.tensor.serialization``). Their names are in saved files: never rename them.
+UNPICKLE_FUNCTIONS = (_rebuild_root, _rebuild_submesh)

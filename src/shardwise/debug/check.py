@@ -19,12 +19,12 @@ Ranks that diverge onto *different groups* (one waits on the tp group, another o
 cannot meet in one all_gather: that still ends at the collective timeout, whose message lists
 the last collectives each rank issued (``comm.recent_calls``, always on).
 
-Cost: none when off. Turning it on swaps ``comm._issue`` (the function every eager collective
-goes through) for a checking one; off puts the original back. On, each collective costs one
-extra small all_gather plus a walk up the Python stack. Collectives traced by torch.compile are
-not checked.
+Cost: one ``is None`` test per collective when off. Turning it on installs ``_check`` as the
+issuing path's pre-issue check (``shardwise.comm.set_pre_issue_check``, run before every eager
+collective is numbered); off removes it. On, each collective costs one extra small all_gather
+plus a walk up the Python stack. Collectives traced by torch.compile are not checked.
 
-Enable it with ``SHARDWISE_CHECK_COLLECTIVES=1`` (read when ``shardwise.comm`` is imported), or::
+Enable it with ``SHARDWISE_CHECK_COLLECTIVES=1`` (read when ``shardwise`` is imported), or::
 
     shardwise.debug.check_collectives()            # from here on, in this process
     with shardwise.debug.check_collectives():      # inside the block only
@@ -40,8 +40,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-import shardwise
 from shardwise import comm
+from shardwise.comm.collectives import all_gather_single
 from shardwise.core.mesh import DeviceMesh
 from shardwise.core.spec import dtype_name
 
@@ -50,9 +50,8 @@ __all__ = ["check_collectives", "CollectiveMismatch", "CHECK_ENV", "checking", "
 CHECK_ENV = "SHARDWISE_CHECK_COLLECTIVES"
 _WIDTH = 384  # bytes per rank in the exchange: compared key, a NUL, then the description
 _KEY_WIDTH = 200
-_ORIGINAL_ISSUE: Callable = comm._issue
-# Frames in these packages are library code, not the call site a user wants to see.
-_SKIPPED_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (shardwise, torch))  # shardwise/, torch/
+# Frames in these packages are library code, not the call site a user wants to see: shardwise/, torch/.
+_SKIPPED_DIRS = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
 
 
 class CollectiveMismatch(RuntimeError):
@@ -66,11 +65,14 @@ class CollectiveMismatch(RuntimeError):
 
 def checking() -> bool:
     """Whether collectives are being checked in this process."""
-    return comm._issue is _checked_issue
+    return comm.pre_issue_check() is _check
 
 
 def _set(enabled: bool) -> None:
-    comm._issue = _checked_issue if enabled else _ORIGINAL_ISSUE
+    if enabled:
+        comm.set_pre_issue_check(_check)
+    elif checking():
+        comm.set_pre_issue_check(None)
 
 
 class check_collectives:
@@ -92,13 +94,11 @@ class check_collectives:
 
 
 # ---------------------------------------------------------------------- the check
-def _checked_issue(kind: str, mesh: DeviceMesh | None, axis: int, nbytes: int, collective: Callable, *args, **kwargs):
-    """``comm._issue`` preceded by the fingerprint exchange."""
-    group = mesh.get_group(axis) if mesh is not None else dist.group.WORLD
-    seq = comm._SEQ.get(group, 0) + 1  # the number _issue is about to give it
+def _check(kind: str, seq: int, group: Any, mesh: DeviceMesh | None, axis: int, nbytes: int, collective: Callable,
+           args: tuple) -> None:
+    """The pre-issue check: the fingerprint exchange for collective ``kind #seq`` on ``group``."""
     key, text = fingerprint(kind, seq, mesh, axis, collective, args)
     _compare(key, text, kind, seq, group, mesh, axis, nbytes)
-    return _ORIGINAL_ISSUE(kind, mesh, axis, nbytes, collective, *args, **kwargs)
 
 
 def fingerprint(kind: str, seq: int, mesh: DeviceMesh | None, axis: int, collective: Callable,
@@ -146,9 +146,9 @@ def _compare(key: str, text: str, kind: str, seq: int, group: Any, mesh: DeviceM
     ranks = dist.get_process_group_ranks(group)
     everyone = torch.empty(len(ranks) * _WIDTH, dtype=torch.uint8, device=device)
     try:
-        comm._all_gather_single(everyone, mine, group=group)
+        all_gather_single(everyone, mine, group=group)
     except RuntimeError as err:  # a timeout or a lost peer: name the collective, as comm does
-        failure = comm._failure(err, kind, seq, group, mesh, axis, nbytes)
+        failure = comm.failure_for(err, kind, seq, group, mesh, axis, nbytes)
         if failure is None:
             raise
         raise failure from err

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwise import comm
-from shardwise.debug.context import Cause, current_cause
+from shardwise.debug.comm_table import render_table
 from shardwise.debug.counts import CommCounts
 from shardwise.debug.module_tracker import GLOBAL, ModuleInfo, ModuleTracker, Phase, current_phase
 from shardwise.core.mesh import DeviceMesh
@@ -18,7 +18,7 @@ __all__ = ["CommDebugMode", "CommRecord"]
 @dataclass(frozen=True, slots=True)
 class CommRecord:
     """One collective: its kind, the mesh axis it ran on, the bytes this rank sent, the modules
-    active when it ran (outermost first), forward or backward, and what it served when known."""
+    active when it ran (outermost first), forward or backward."""
 
     kind: str
     mesh: DeviceMesh
@@ -26,7 +26,6 @@ class CommRecord:
     bytes_sent: int
     modules: tuple[str, ...] = ()
     phase: Phase = Phase.FORWARD
-    cause: Cause | None = None
 
     @property
     def module(self) -> str:
@@ -39,8 +38,7 @@ class CommRecord:
 
     def __str__(self) -> str:
         where = f" in {self.module}" + (" (backward)" if self.phase is Phase.BACKWARD else "")
-        why = f": {self.cause.describe()}" if self.cause is not None else ""
-        return f"{self.kind} on {self.axis_name} ({self.bytes_sent} B){where}{why}"
+        return f"{self.kind} on {self.axis_name} ({self.bytes_sent} B){where}"
 
 
 class CommDebugMode:
@@ -72,7 +70,7 @@ class CommDebugMode:
         """Called by ``comm`` for each collective (the ``CommRecorder`` protocol)."""
         tracker = self._tracker
         modules = tracker.active() if tracker is not None else ()
-        self.records.append(CommRecord(kind, mesh, axis, bytes_sent, modules, current_phase(), current_cause()))
+        self.records.append(CommRecord(kind, mesh, axis, bytes_sent, modules, current_phase()))
 
     def __enter__(self) -> "CommDebugMode":
         self.records.clear()
@@ -147,13 +145,10 @@ class CommDebugMode:
         Args:
             noise_level: 0: per module and phase, count and bytes of each collective on each
                 mesh axis; 1: also each module's type and the layouts of its DTensor
-                parameters; 2 and 3: also every collective, under the module that issued it,
-                with the layout change it served when the redistribute path reports it.
+                parameters; 2 and 3: also every collective, under the module that issued it.
         Returns:
             The table as text (print it).
         """
-        from shardwise.debug.comm_table import render_table
-
         return render_table(self.records, self.modules(), noise_level)
 
     def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt", noise_level: int = 3) -> None:

@@ -98,5 +98,4 @@ def _aggregate(records: Iterable["CommRecord"]) -> list[str]:
 
 
 def _one(index: int, r: "CommRecord") -> str:
-    why = f"  {r.cause.describe()}" if r.cause is not None else ""
-    return f"#{index:<3} {r.phase.value:<9} {r.kind:<15} on {r.axis_name:<8} {format_bytes(r.bytes_sent)}{why}"
+    return f"#{index:<3} {r.phase.value:<9} {r.kind:<15} on {r.axis_name:<8} {format_bytes(r.bytes_sent)}"

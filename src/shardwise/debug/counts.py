@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = ["CommCounts", "collective_kind", "KINDS"]
 
-# The kinds shardwise.comm records (comm.py: one string per collective function).
+# The kinds shardwise.comm records (comm/collectives.py: one string per collective function).
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "scatter",
          "all_gather_object", "barrier", "send_recv")
 

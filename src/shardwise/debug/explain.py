@@ -4,7 +4,7 @@
 dispatcher: the module running it (named as ``CommDebugMode`` names them), forward or backward,
 the op, its input and output layouts, the strategy the dispatcher chose with the bytes it
 costs and the cheapest alternatives it rejected, and every collective issued for it (mesh axis,
-bytes this rank sends, the layout change it served). Collectives outside any op (an explicit
+bytes this rank sends). Collectives outside any op (an explicit
 ``redistribute``, fully_shard's gathers) are filed under their module too.
 
 Layouts are written in shardwise's compact syntax (the one every error message uses):
@@ -44,9 +44,11 @@ import torch
 
 from shardwise import comm
 from shardwise.compile.opaque import never_compiled
-from shardwise.debug.context import current_cause
 from shardwise.debug.module_tracker import GLOBAL, ModuleTracker, current_phase
-from shardwise.dispatch import walk
+from shardwise.dispatch import dispatcher, propagation, registry, walk
+from shardwise.dispatch.strategy import OpSchema, changed_axes, input_cost, replicate_all
+from shardwise.tensor import dtensor
+from shardwise.tensor.dtensor import DTensor
 from shardwise.core.mesh import DeviceMesh
 from shardwise.core.spec import DTensorSpec, render_layout
 
@@ -56,18 +58,16 @@ __all__ = ["explain", "Explanation", "OpEntry", "Strategy", "CollectiveEntry"]
 # ---------------------------------------------------------------------- records
 @dataclass
 class CollectiveEntry:
-    """One collective: kind, mesh axis, bytes this rank sent, module, phase, what it served."""
+    """One collective: kind, mesh axis, bytes this rank sent, module, phase."""
 
     kind: str
     axis: str
     bytes: int
     module: str = GLOBAL
     phase: str = "forward"
-    cause: str | None = None  # e.g. "f32[8@tp,4] -> f32[8,4]"
 
     def describe(self) -> str:
-        served = f" ({self.cause})" if self.cause else ""
-        return f"{self.kind} on {self.axis}: {_size(self.bytes)}{served}"
+        return f"{self.kind} on {self.axis}: {_size(self.bytes)}"
 
 
 @dataclass
@@ -143,8 +143,8 @@ class Explanation:
             chosen = Strategy(**o["chosen"]) if o["chosen"] is not None else None
             ops.append(OpEntry(**{**o, "chosen": chosen,
                                   "alternatives": [Strategy(**a) for a in o["alternatives"]],
-                                  "collectives": [CollectiveEntry(**c) for c in o["collectives"]]}))
-        return cls(data["rank"], list(data["modules"]), ops, [CollectiveEntry(**c) for c in data["collectives"]])
+                                  "collectives": [_collective(c) for c in o["collectives"]]}))
+        return cls(data["rank"], list(data["modules"]), ops, [_collective(c) for c in data["collectives"]])
 
     # ------------------------------------------------------------------ rendering
     def render(self, rich: bool | None = None) -> str:
@@ -193,8 +193,6 @@ class explain:
     def __enter__(self) -> "explain":
         if _ACTIVE:
             raise RuntimeError("shardwise.debug.explain() is already active: explain blocks do not nest")
-        from shardwise.tensor import dtensor
-
         self.explanation = Explanation(rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         self._tracker = ModuleTracker()
         self._tracker.start()
@@ -205,8 +203,6 @@ class explain:
         return self
 
     def __exit__(self, *exc) -> None:
-        from shardwise.tensor import dtensor
-
         dtensor.dispatch = self._saved
         comm.remove_recorder(self)
         _ACTIVE.remove(self)
@@ -243,12 +239,13 @@ class explain:
     def record(self, kind: str, mesh: DeviceMesh, axis: int, bytes_sent: int) -> None:
         """Called by ``comm`` for each collective (the ``CommRecorder`` protocol)."""
         module, phase = self._where()
-        cause = current_cause()
-        served = None
-        if cause is not None and cause.src is not None and cause.dst is not None:
-            served = f"{cause.src.render()} -> {cause.dst.render()}"
-        entry = CollectiveEntry(kind, mesh.axis_name(axis), bytes_sent, module, phase, served)
+        entry = CollectiveEntry(kind, mesh.axis_name(axis), bytes_sent, module, phase)
         (self._stack[-1].collectives if self._stack else self.explanation.collectives).append(entry)
+
+
+def _collective(data: dict) -> CollectiveEntry:
+    """A collective read back from JSON (files written before ``cause`` was dropped still load)."""
+    return CollectiveEntry(**{k: v for k, v in data.items() if k != "cause"})
 
 
 @never_compiled
@@ -260,8 +257,6 @@ def _recording_dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _dtensors(args: Any, kwargs: dict) -> list:
     """The DTensors among the arguments (or results), in the dispatcher's order (``walk.dtensors``)."""
-    from shardwise.tensor.dtensor import DTensor
-
     return walk.dtensors(args if isinstance(args, (tuple, list)) else (args,), kwargs, DTensor)
 
 
@@ -272,13 +267,10 @@ def _op_name(func: Any) -> str:
 # ---------------------------------------------------------------------- strategies
 def _strategy(entry: OpEntry, func: Any, args: tuple, kwargs: dict, dtensors: list, keep: int) -> None:
     """Fill ``entry.kind``, ``chosen`` and ``alternatives`` from the dispatcher's own propagation."""
-    from shardwise.dispatch import dispatcher, propagation
-
     if not dtensors:
         entry.kind = "custom"
         return
-    dispatcher._dtensor_cls()
-    plan = dispatcher._propagate(func, args, kwargs, dtensors)
+    plan = dispatcher.plan_call(func, args, kwargs, dtensors)
     entry.kind = plan.action.value
     if plan.action is not propagation.Action.RUN:
         return
@@ -309,38 +301,25 @@ def _strategy(entry: OpEntry, func: Any, args: tuple, kwargs: dict, dtensors: li
 
 def _candidates(func: Any, args: tuple, kwargs: dict, specs: list, num_outputs: int) -> list:
     """Every candidate the op's registration lists that propagation would consider."""
-    from shardwise.dispatch import propagation, registry
-    from shardwise.dispatch.strategy import OpSchema, replicate_all
-
-    from shardwise.tensor.dtensor import DTensor
-
     schema = OpSchema(func, *walk.spec_tree(args, kwargs, DTensor), tuple(specs))
     registration = registry.lookup(func)
     if registration is None:
         return [replicate_all(schema, num_outputs)]
     return [c for c in propagation.registered_candidates(schema, registration, num_outputs)
-            if propagation._keeps_mutated(func, schema, c)]
+            if propagation.keeps_mutated(func, schema, c)]
 
 
 def _cost(specs: list, targets: tuple) -> tuple[float, int]:
     """What ``strategy.choose`` ranks by: bytes moved, then mesh axes changed."""
-    from shardwise.dispatch.strategy import _changed_axes, input_cost
-
-    return (sum(input_cost(s, t) for s, t in zip(specs, targets)), sum(_changed_axes(s, t) for s, t in zip(specs, targets)))
+    return (sum(input_cost(s, t) for s, t in zip(specs, targets)), sum(changed_axes(s, t) for s, t in zip(specs, targets)))
 
 
 def _as_strategy(specs: list, inputs: tuple, out_specs: list, out_placements: list) -> Strategy:
     ins = [render_layout(s.mesh, p, s.tensor_meta) for s, p in zip(specs, inputs)]
     outs = [render_layout(o.mesh, p, o.tensor_meta) for o, p in zip(out_specs, out_placements)
             if isinstance(o, DTensorSpec) and p is not None]
-    cost = sum(_input_cost(s, p) for s, p in zip(specs, inputs))
+    cost = sum(input_cost(s, p) for s, p in zip(specs, inputs))
     return Strategy(ins, outs, cost)
-
-
-def _input_cost(spec: DTensorSpec, target: tuple) -> float:
-    from shardwise.dispatch.strategy import input_cost
-
-    return input_cost(spec, target)
 
 
 # ---------------------------------------------------------------------- rendering

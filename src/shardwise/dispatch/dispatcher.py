@@ -20,21 +20,22 @@ from typing import Any, Callable
 import torch
 
 from shardwise.compile.opaque import never_compiled
-from shardwise.dispatch import flags, registry, walk
+from shardwise.dispatch import flags, registry, tensor_class, walk
 from shardwise.dispatch.cache import PLANS, registry_version
+from shardwise.dispatch.render import plain as _plain, render_call
 from shardwise.dispatch.propagation import Action, OutputPlan, Returns, UnsupportedOp, propagate, with_layouts
 from shardwise.dispatch.strategy import OpSchema
 from shardwise.core.placement import Replicate
+from shardwise.redistribute.cross_mesh import mesh_ranks
 from shardwise.redistribute.execute import redistribute_local
-from shardwise.core.spec import DTensorSpec, TensorMeta, dtype_name
+from shardwise.core.spec import DTensorSpec, TensorMeta
 
-__all__ = ["dispatch", "render_call", "clear_cache", "cache_info", "implicit_replication", "ImplicitScope", "CACHE_SIZE"]
+__all__ = ["dispatch", "render_call", "clear_cache", "cache_info", "implicit_replication", "ImplicitScope", "CACHE_SIZE",
+           "plan_call"]
 
 CACHE_SIZE = 4096  # bound on the dispatcher's entries in the propagation cache
 _SIGN_ONLY = registry.SCALAR_SIGN_ONLY
 _PER_POSITION: set = set()  # ops whose DTensors may sit on different meshes (allow_mixed_meshes)
-_DTensor: type | None = None
-_wrap: Callable[[torch.Tensor, DTensorSpec], Any]
 _Tensor = torch.Tensor
 _OpOverload = torch._ops.OpOverload
 _inference_mode = torch.is_inference_mode_enabled
@@ -42,16 +43,6 @@ _flags = flags.FLAGS.get  # the per-context flags: part of every cache key
 _cached = PLANS.get  # the lock-free read
 _signature = walk.signature
 _put = walk.put
-
-
-def _dtensor_cls() -> type:
-    global _DTensor, _wrap
-    if _DTensor is None:
-        from shardwise.tensor.dtensor import DTensor, wrap_block
-
-        _wrap = wrap_block
-        _DTensor = DTensor
-    return _DTensor
 
 
 def clear_cache() -> None:
@@ -103,7 +94,7 @@ class implicit_replication:
 @never_compiled
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on DTensors: see the module docstring."""
-    DTensor = _DTensor or _dtensor_cls()
+    DTensor = tensor_class.DTensor
     dtensors: list = []
     try:
         op = func._op  # an OpOverload's C++ handle: hashed in C (the overload's own hash is Python)
@@ -124,7 +115,7 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 def _decide(key: tuple, func, args: tuple, kwargs: dict, dtensors: list) -> Callable:
     """The slow path: propagate, build the call's runner, cache it."""
     version = registry_version()
-    plan = _with_slots(_propagate(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
+    plan = _with_slots(plan_call(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
     run = _runner(func, plan, args, kwargs)
     PLANS.put(key, run, version, CACHE_SIZE)
     return run
@@ -164,7 +155,7 @@ def _local_runner(func, plan: OutputPlan) -> Callable:
     """The common cases, as lean as a plain wrapper subclass: every DTensor a top-level
     positional argument, no communication, new tensors or a view out (``_run`` does the rest)."""
     call = func._op if type(func) is _OpOverload else func  # skips the overload's Python __call__
-    wrap, positions, specs, rewrite = _wrap, plan.slots.positional, plan.output_specs, plan.rewrite
+    wrap, positions, specs, rewrite = tensor_class.wrap_block, plan.slots.positional, plan.output_specs, plan.rewrite
     if rewrite is None and plan.returns is Returns.WRAP and _single_tensor_output(func) and specs and specs[0] is not None:
         spec = specs[0]
         if positions == (0,):
@@ -219,7 +210,7 @@ def _with_slots(plan: OutputPlan, func, args: tuple, kwargs: dict, count: int) -
     if plan.returns in (Returns.WRAP, Returns.COPIED_VIEW) and _returns_view(func, args):
         view = Returns.VIEW_BITS if _may_conjugate(func, args[0], plan) else Returns.VIEW
         plan = dataclasses.replace(plan, returns=view if plan.returns is Returns.WRAP else Returns.COPIED_VIEW_OF)
-    slots = walk.slots(args, kwargs, _DTensor)
+    slots = walk.slots(args, kwargs, tensor_class.DTensor)
     if len(slots.paths) != count:  # the cache key's walk and pytree's disagree: a bug, never a wrong result
         raise RuntimeError(f"{render_call(func, args, kwargs)}: found {count} DTensors for the key but "
                            f"{len(slots.paths)} by pytree (see shardwise.dispatch.walk)")
@@ -238,8 +229,6 @@ def _run(plan: OutputPlan, func, args: tuple, kwargs: dict, dtensors: list) -> A
             dt._local_tensor if target is None else redistribute_local(dt._local_tensor, dt._spec, target)
             for dt, target in zip(dtensors, plan.input_specs)
         ]
-        for i in plan.rebind:  # the mutated tensor settles its pending reduction first
-            dtensors[i]._local_tensor, dtensors[i]._spec = blocks[i], plan.input_specs[i]
     else:
         blocks = [dt._local_tensor for dt in dtensors]
     local_args, local_kwargs = _put(args, kwargs, plan.slots, blocks)
@@ -269,7 +258,7 @@ def _returns_view(func, args: tuple) -> bool:
     """The op's output aliases its first argument, a DTensor (``t``, ``view``, ``select``...)."""
     returns = getattr(func, "_schema", None) and func._schema.returns
     alias = returns[0].alias_info if returns else None
-    return alias is not None and not alias.is_write and bool(args) and isinstance(args[0], _DTensor)
+    return alias is not None and not alias.is_write and bool(args) and isinstance(args[0], tensor_class.DTensor)
 
 
 def _may_conjugate(func, base: Any, plan: OutputPlan) -> bool:
@@ -301,19 +290,20 @@ def _with_bits(wrapped: Any, out: Any) -> Any:
 def _mark_copied(out: Any, func) -> Any:
     """Tag the outputs of a view that had to communicate (see ``_run``)."""
     for item in walk.leaves(out):
-        if isinstance(item, _DTensor):
+        if isinstance(item, tensor_class.DTensor):
             item._copied_view = f"the result of {func} (a view)"
     return out
 
 
 def _repack(out: Any, specs: tuple) -> Any:
     """Wrap local results in DTensors with the planned specs (in leaf order)."""
-    return walk.wrap_results(out, specs, _wrap)
+    return walk.wrap_results(out, specs, tensor_class.wrap_block)
 
 
 # ---------------------------------------------------------------------- slow path
-def _propagate(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
-    DTensor = _DTensor
+def plan_call(func, args: tuple, kwargs: dict, dtensors: list) -> OutputPlan:
+    """What the dispatcher will do for this call (uncached): ``shardwise.debug.explain`` shows it."""
+    DTensor = tensor_class.DTensor
     describe = lambda: render_call(func, args, kwargs)  # noqa: E731
     if not dtensors:
         raise UnsupportedOp(f"{describe()}: no DTensor argument")
@@ -355,17 +345,14 @@ def _absent_plan(plan: OutputPlan, func) -> OutputPlan:
     as_list = len(returns) == 1 and isinstance(returns[0].type, torch.ListType)
 
     def handler(func, args, kwargs):
-        dtensors = walk.dtensors(args, kwargs, _DTensor)
-        for i in plan.rebind:  # the mutated tensor takes its settled layout, as on the members
-            dtensors[i]._spec = plan.input_specs[i]
         if plan.returns is Returns.SELF:
             return args[0]
         if plan.returns is Returns.OUT:
             return kwargs["out"]
         if plan.returns is Returns.NONE:
             return None
-        device = dtensors[0]._local_tensor.device
-        outs = [None if spec is None else _DTensor(_empty_block(spec, device), spec, requires_grad=False)
+        device = walk.dtensors(args, kwargs, tensor_class.DTensor)[0]._local_tensor.device
+        outs = [None if spec is None else tensor_class.DTensor(_empty_block(spec, device), spec, requires_grad=False)
                 for spec in plan.output_specs]
         if as_list:
             return outs
@@ -402,8 +389,6 @@ def _broadcast_scalar(t: torch.Tensor) -> bool:
 
 def _mixed_meshes(dtensors: list, meshes: list) -> str:
     """Which DTensor is on which mesh, and a move that works (see ``DTensor.redistribute``)."""
-    from shardwise.redistribute.cross_mesh import mesh_ranks
-
     a = dtensors[0]
     b = next(dt for dt in dtensors if dt._spec.mesh != a._spec.mesh)
     where = (f"DTensors on different meshes: {a._spec.mesh.describe()} (a: {a._spec.render()}) and "
@@ -442,7 +427,7 @@ def _plain_data(func, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor
     0-dim ones are scalars and stay plain on the local blocks; one-element ones of 1+ dims are
     replicated values, as torch takes them; any other needs a layout (an error unless
     ``implicit_replication`` says otherwise)."""
-    return [(w, t) for w, t in _plain_tensors(args, kwargs, _DTensor) if not registry.is_plain_index(func, w, t)]
+    return [(w, t) for w, t in _plain_tensors(args, kwargs, tensor_class.DTensor) if not registry.is_plain_index(func, w, t)]
 
 
 def _allowed(func, plain: list) -> bool:
@@ -488,7 +473,7 @@ def _ImplicitPlan(mesh, scalars_only: bool = False) -> OutputPlan:
             wrap = lambda v: _as_replicate(v, mesh) if id(v) in chosen else v  # noqa: E731
         else:
             wrap = lambda v: _as_replicate(v, mesh)  # noqa: E731
-        plain = lambda v: isinstance(v, torch.Tensor) and not isinstance(v, _DTensor) and v.ndim > 0  # noqa: E731
+        plain = lambda v: isinstance(v, torch.Tensor) and not isinstance(v, tensor_class.DTensor) and v.ndim > 0  # noqa: E731
         new_args, new_kwargs = walk.map_leaves(lambda v: wrap(v) if plain(v) else v, (tuple(args), kwargs))
         return func(*new_args, **new_kwargs)
 
@@ -496,7 +481,7 @@ def _ImplicitPlan(mesh, scalars_only: bool = False) -> OutputPlan:
 
 
 def _as_replicate(t: torch.Tensor, mesh) -> Any:
-    DTensor = _DTensor
+    DTensor = tensor_class.DTensor
     spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, TensorMeta.of(t))
     return DTensor(t, spec, requires_grad=False)
 
@@ -514,28 +499,3 @@ def _to_meta(value: Any, DTensor: type) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to("meta")
     return value
-
-
-# ---------------------------------------------------------------------- rendering
-def render_call(func, args: tuple, kwargs: dict) -> str:
-    """``aten.add.Tensor(f32[8@dp,4], f32[8,4]) on mesh(dp=4)``: the form every message uses."""
-    DTensor = _dtensor_cls()
-    meshes: list = []
-
-    def show(a: Any) -> str:
-        if isinstance(a, DTensor):
-            if a.device_mesh not in meshes:
-                meshes.append(a.device_mesh)
-            return a._spec.render()
-        if isinstance(a, torch.Tensor):
-            return _plain(a)
-        return repr(a)
-
-    shown = [walk.render(a, show) for a in args] + [f"{k}={walk.render(v, show)}" for k, v in kwargs.items()]
-    where = " and ".join(map(repr, meshes))
-    name = str(func).replace("aten::", "aten.").replace(".default", "")
-    return f"{name}({', '.join(shown)})" + (f" on {where}" if where else "")
-
-
-def _plain(t: torch.Tensor) -> str:
-    return f"{dtype_name(t.dtype)}[{','.join(map(str, t.shape))}](plain)"

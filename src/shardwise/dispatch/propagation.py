@@ -19,17 +19,19 @@ from typing import Any, Callable
 
 import torch
 
-from shardwise.dispatch import flags, registry, walk
+from shardwise.dispatch import flags, registry, tensor_class, walk
 from shardwise.dispatch.cache import bump_registry_version
 from shardwise.dispatch.flags import fallback_enabled
 from shardwise.dispatch.strategy import (
-    Candidate, OpSchema, choose, count_specs, expand, partial_axes, pending_reduction, replicate_all,
+    Candidate, OpSchema, choose, count_specs, expand, input_cost, partial_axes, pending_reduction, replicate_all,
 )
+from shardwise.dispatch.render import render_call
 from shardwise.core.spec import DTensorSpec, TensorMeta
+from shardwise.redistribute.execute import redistribute_local
 
 __all__ = [
     "Action", "Returns", "OutputPlan", "propagate", "UnsupportedOp", "fallback_enabled", "allow_replicate_fallback",
-    "is_meta_limitation", "with_layouts",
+    "is_meta_limitation", "with_layouts", "keeps_mutated",
 ]
 
 
@@ -75,9 +77,6 @@ class OutputPlan:
     # Where the DTensors sit in the call (set by the dispatcher once per call signature): lets
     # the hot path swap blocks in without searching the arguments.
     slots: walk.Slots | None = None
-    # Mutated DTensors re-pointed to their moved blocks. Always empty: a mutated DTensor keeps
-    # its layout (an in-place op that cannot keep it writes its result back, see _write_back).
-    rebind: tuple[int, ...] = ()
 
 
 class UnsupportedOp(NotImplementedError):
@@ -146,7 +145,7 @@ def _propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, d
     if registration is None:
         _warn_fallback(op, describe())
         candidate = replicate_all(schema, len(outputs))
-        write_back = not _keeps_mutated(op, schema, candidate)
+        write_back = not keeps_mutated(op, schema, candidate)
         if write_back and not _mutates_self_only(op, schema):
             raise UnsupportedOp(f"{describe()}: the replicate fallback cannot write into "
                                 f"{_mutated_layouts(op, schema)} in place; use the out-of-place op")
@@ -157,12 +156,10 @@ def _propagate(op: Any, schema: OpSchema, meta_args: tuple, meta_kwargs: dict, d
 
 
 def registered_candidates(schema: OpSchema, registration, num_outputs: int) -> list[Candidate]:
-    """Every candidate layout the op's registration lists with valid outputs (a rule gives one;
-    per-axis strategies are expanded over the mesh); ``_candidate`` chooses among them, and
+    """Every candidate layout the op's registration lists with valid outputs (per-axis
+    strategies are expanded over the mesh); ``_candidate`` chooses among them, and
     ``shardwise.debug.explain`` shows the rejected ones."""
-    if registration.kind is registry.Kind.RULE:
-        candidates = [registration.fn(schema)]
-    elif registration.per_axis:
+    if registration.per_axis:
         candidates = expand(registration.fn(schema), num_outputs, schema.mesh.ndim)
     else:
         candidates = registration.fn(schema)
@@ -178,7 +175,7 @@ def _candidate(op: Any, schema: OpSchema, registration, num_outputs: int, descri
     # moves its input is a copy, so a Partial passes through views as it is.
     owed = partial_axes(schema.specs) if outputs and schema.specs and not _is_view(op) else ()
     extra = (lambda c: pending_reduction(c, outputs, schema.mesh.shape, owed)) if any(owed) else None
-    best = choose(schema, [c for c in candidates if _keeps_mutated(op, schema, c)], extra=extra)
+    best = choose(schema, [c for c in candidates if keeps_mutated(op, schema, c)], extra=extra)
     if best is not None:
         return best, False
     if _mutates_self_only(op, schema):
@@ -213,8 +210,6 @@ def _mutated_layouts(op: Any, schema: OpSchema) -> str:
 
 def _write_back_cost(schema: OpSchema, candidate: Candidate) -> float:
     """Bytes to bring the op's result (self's output layout) back into self's layout."""
-    from shardwise.dispatch.strategy import input_cost
-
     spec = schema.specs[0]
     return input_cost(spec.with_placements(candidate.outputs[0]), spec.placements)
 
@@ -226,17 +221,13 @@ def _write_back(plan: OutputPlan) -> Callable:
     is redistributed back to self's layout and copied into self's own block, so self keeps
     its placements and its storage (views of it see the write).
     """
-    from shardwise.redistribute.execute import redistribute_local
-
     def handler(func: Any, args: tuple, kwargs: dict) -> Any:
-        from shardwise.dispatch import dispatcher
-
         if getattr(args[0], "_copied_view", None):
             raise RuntimeError(
-                f"{dispatcher.render_call(func, args, kwargs)}: in-place write into {args[0]._copied_view}, "
+                f"{render_call(func, args, kwargs)}: in-place write into {args[0]._copied_view}, "
                 "whose input had to be redistributed, so it is a copy and the write would not reach the base tensor"
             )
-        where = walk.slots(args, kwargs, dispatcher._dtensor_cls())
+        where = walk.slots(args, kwargs, tensor_class.DTensor)
         dtensors = [walk.at(args, kwargs, path) for path in where.paths]
         blocks = [
             dt._local_tensor if target is None else redistribute_local(dt._local_tensor, dt._spec, target)
@@ -248,7 +239,7 @@ def _write_back(plan: OutputPlan) -> Callable:
         try:
             result = func(*local_args, **local_kwargs)
         except Exception as err:
-            raise with_layouts(err, dispatcher.render_call(func, args, kwargs)) from None
+            raise with_layouts(err, render_call(func, args, kwargs)) from None
         target = args[0]
         back = redistribute_local(result, plan.output_specs[0], target._spec)
         if back is not target._local_tensor:
@@ -305,7 +296,7 @@ def _mutated_inputs(op: Any) -> list[str]:
     return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
 
 
-def _keeps_mutated(op: Any, schema: OpSchema, candidate: Candidate) -> bool:
+def keeps_mutated(op: Any, schema: OpSchema, candidate: Candidate) -> bool:
     """A mutated DTensor keeps its layout: its input target and its output equal its placements."""
     names = _mutated_inputs(op)
     if not names:

@@ -4,11 +4,10 @@
    and nll_loss over a sharded class dim); other layouts go on down this list.
 1. custom handler: takes the whole call (random ops, losses); no propagation.
 2. strategy: candidate layouts, scored by redistribute cost (``strategy.choose``).
-3. rule: one layout computed directly from the inputs.
-4. decomposition: torch's decomposition of the op into ops that have support.
-5. replicate-everything fallback: off by default (``allow_replicate_fallback``).
+3. decomposition: torch's decomposition of the op into ops that have support.
+4. replicate-everything fallback: off by default (``allow_replicate_fallback``).
 
-An op lives in exactly one of the first three registries. Registries are open: users register
+An op lives in exactly one of the first two registries. Registries are open: users register
 their own ops with ``register_sharding`` (per-axis candidates) or the decorators below.
 """
 
@@ -23,7 +22,7 @@ import torch
 from shardwise.dispatch.cache import bump_registry_version
 
 __all__ = [
-    "register_custom_handler", "register_strategy", "register_rule", "register_sharding",
+    "register_custom_handler", "register_strategy", "register_sharding",
     "lookup", "Registration", "Kind", "allow_plain_indices", "is_plain_index",
     "register_layout_handler", "layout_handler", "SCALAR_SIGN_ONLY", "scalars_matter_by_sign_only",
 ]
@@ -34,7 +33,6 @@ class Kind(enum.Enum):
 
     CUSTOM = "custom handler"
     STRATEGY = "strategy"
-    RULE = "rule"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,16 +104,6 @@ def register_strategy(*ops: Any, per_axis: bool = True, replace: bool = False) -
 
     def wrap(fn: Callable) -> Callable:
         _register(ops, Registration(Kind.STRATEGY, fn, per_axis), replace)
-        return fn
-
-    return wrap
-
-
-def register_rule(*ops: Any, replace: bool = False) -> Callable:
-    """Decorator: ``fn(schema) -> Candidate`` computes the one layout for ``ops`` directly."""
-
-    def wrap(fn: Callable) -> Callable:
-        _register(ops, Registration(Kind.RULE, fn), replace)
         return fn
 
     return wrap

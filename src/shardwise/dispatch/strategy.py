@@ -128,13 +128,14 @@ def choose(schema: OpSchema, candidates: Sequence[Candidate],
         moved = sum(input_cost(s, t) for s, t in zip(schema.specs, candidate.inputs))
         if extra is not None:
             moved += extra(candidate)
-        changes = sum(_changed_axes(s, t) for s, t in zip(schema.specs, candidate.inputs))
+        changes = sum(changed_axes(s, t) for s, t in zip(schema.specs, candidate.inputs))
         if (moved, changes) < best_cost:
             best, best_cost = candidate, (moved, changes)
     return best
 
 
-def _changed_axes(spec: DTensorSpec, target: tuple[Placement, ...] | None) -> int:
+def changed_axes(spec: DTensorSpec, target: tuple[Placement, ...] | None) -> int:
+    """Mesh axes whose placement differs between ``spec`` and ``target`` (``choose``'s tie-break)."""
     if target is None:
         return 0
     return sum(a != b for a, b in zip(spec.placements, target))

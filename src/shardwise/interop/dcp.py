@@ -26,7 +26,7 @@ import torch
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import flatten
 from shardwise.checkpoint.format import Chunk, Metadata, TensorEntry, dtype_to_name
-from shardwise.checkpoint.source import Source
+from shardwise.checkpoint.readable import Source
 from shardwise.tensor.dtensor import DTensor
 
 __all__ = ["dcp_source", "save_dcp"]

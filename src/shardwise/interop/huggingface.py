@@ -27,7 +27,7 @@ from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.flatten import flatten
 from shardwise.checkpoint.format import Chunk, Metadata, TensorEntry, name_to_dtype
 from shardwise.checkpoint.safetensors_io import open_file
-from shardwise.checkpoint.source import HF_INDEX_FILE, Source
+from shardwise.checkpoint.readable import HF_INDEX_FILE, Source
 from shardwise.tensor.dtensor import DTensor
 
 __all__ = ["hf_source", "read_weight_map", "save_hf", "HF_INDEX_FILE"]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
-from shardwise.core.mesh import DeviceMesh, _axis_slices, adopt_group
+from shardwise.core.mesh import DeviceMesh, adopt_group, axis_slices
 
 __all__ = ["mesh_to_torch", "mesh_from_torch"]
 
@@ -68,7 +68,7 @@ def _standalone(torch_mesh: TorchMesh) -> DeviceMesh:
     """
     grid = torch_mesh.mesh.to(torch.int64).cpu()
     rank = dist.get_rank()
-    for axis, slices in enumerate(_axis_slices(grid, grid.ndim)):
+    for axis, slices in enumerate(axis_slices(grid, grid.ndim)):
         for ranks in slices:
             adopt_group(ranks, torch_mesh.get_group(axis) if rank in ranks else dist.GroupMember.NON_GROUP_MEMBER)
     mesh = DeviceMesh(torch_mesh.device_type, grid, mesh_dim_names=torch_mesh.mesh_dim_names)

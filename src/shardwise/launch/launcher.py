@@ -25,11 +25,10 @@ import sys
 import uuid
 from typing import Callable, NoReturn, Sequence
 
+from shardwise.launch.worker import REPORT_KEY, close_process_group, run_worker, under_launcher
+
 __all__ = ["under_launcher", "launch", "close_process_group", "main_or_launch", "main", "USAGE"]
 
-# What init_process_group's env:// rendezvous needs; torchrun, torch's elastic agent and
-# shardwise.launch.launcher set them all (and more: LOCAL_RANK, TORCHELASTIC_RUN_ID).
-_WORKER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SHUTDOWN_TIMEOUT_S = 5  # SIGTERM to SIGKILL for a worker that does not stop
 _MONITOR_INTERVAL_S = 0.2
 
@@ -47,16 +46,6 @@ else:
     sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
     runpy.run_path(args[0], run_name="__main__")
 """
-
-
-def under_launcher() -> bool:
-    """True in a worker started by torchrun, torch's elastic agent or ``shardwise.launch.launcher``.
-
-    Decided from the whole set of variables ``init_process_group``'s env:// rendezvous needs
-    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), which every launcher sets together: a stray
-    ``LOCAL_RANK`` or ``RANK`` left in a user's shell does not make a process a worker.
-    """
-    return all(os.environ.get(name) for name in _WORKER_ENV)
 
 
 def launch(python_args: Sequence[str], nproc: int, quiet_codes: tuple[int, ...] = ()) -> int:
@@ -146,8 +135,6 @@ def _order(rank: int, failure) -> tuple:
 
 def _report_of(failure) -> dict | None:
     """What ``failfast`` wrote into the worker's error file, if anything."""
-    from shardwise.launch.worker import REPORT_KEY
-
     data = getattr(failure, "error_file_data", None)
     report = data.get(REPORT_KEY) if isinstance(data, dict) else None
     return report if isinstance(report, dict) and "line" in report else None
@@ -162,25 +149,6 @@ def _no_report_line(rank: int, exitcode: int) -> str:
         hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -exitcode == signal.SIGKILL else ""
         return f"rank {rank} was killed by {name}{hint}"
     return f"rank {rank} exited with status {exitcode}"
-
-
-# ---------------------------------------------------------------------- workers
-def close_process_group() -> None:
-    """Tear the default process group down once every rank is done with it.
-
-    The barrier first matters: a rank that destroys its gloo connections (or exits) while a
-    peer is still finishing its last collective can abort the peer at exit ("terminate called
-    without an active exception"). Call it on the success path only: after an error, a rank
-    waiting here for a peer that will never come would hang the job (the launcher stops the
-    other workers instead).
-    """
-    import torch.distributed as dist
-
-    from shardwise import comm
-
-    if dist.is_initialized():
-        comm.barrier()
-        dist.destroy_process_group()
 
 
 def main_or_launch(
@@ -199,8 +167,6 @@ def main_or_launch(
         module: run the workers as ``python -m module`` (else the current script).
     """
     if under_launcher():
-        from shardwise.launch.worker import run_worker
-
         run_worker(worker)
     program = ["-m", module] if module else [os.path.abspath(sys.argv[0])]
     sys.exit(launch(program + sys.argv[1:], nproc, quiet_codes))
@@ -244,8 +210,6 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         world = int(os.environ["WORLD_SIZE"])
         if nproc is not None and nproc != world:
             _refuse(f"--nproc {nproc} differs from the launcher's world size {world}")
-        from shardwise.launch.worker import run_worker
-
         run_worker(lambda: _run_program(program))
     sys.exit(launch(["-m", "shardwise.launch", *argv], nproc or 1))
 

@@ -25,6 +25,9 @@ Reports: a failing rank writes the torchelastic error file (``$TORCHELASTIC_ERRO
 by ``shardwise.launch.launcher`` and by torchrun) with its line, kind and time, and posts the line to the
 job's store (``shardwise/failed``) so that peers stopped afterwards know a failure, not a user,
 stopped them.
+
+``under_launcher`` and ``close_process_group`` live here, the worker's side of the job; the
+launcher imports this module (never the other way round).
 """
 
 from __future__ import annotations
@@ -40,14 +43,17 @@ import traceback
 from contextlib import contextmanager
 from typing import Callable, Iterator, NoReturn
 
-__all__ = ["Ending", "run_worker", "end_with_failure", "interrupt_context", "handle_signals",
-           "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "REPORT_KEY", "FAILED_KEY"]
+__all__ = ["Ending", "run_worker", "under_launcher", "close_process_group", "end_with_failure", "interrupt_context",
+           "handle_signals", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "REPORT_KEY", "FAILED_KEY"]
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: what a shell reports for Ctrl-C
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 PEER_LOST_WAIT_S = 5.0  # a launcher stops the survivors of a failure well within this
 REPORT_KEY = "shardwise"  # our part of the torchelastic error file
+# What init_process_group's env:// rendezvous needs; torchrun, torch's elastic agent and
+# shardwise.launch.launcher set them all (and more: LOCAL_RANK, TORCHELASTIC_RUN_ID).
+_WORKER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 FAILED_KEY = "shardwise/failed"  # in the job's store: the first failure's line
 
 
@@ -78,11 +84,19 @@ _STATE = _State()
 
 
 # ---------------------------------------------------------------------- who and where
+def under_launcher() -> bool:
+    """True in a worker started by torchrun, torch's elastic agent or ``shardwise.launch.launcher``.
+
+    Decided from the whole set of variables ``init_process_group``'s env:// rendezvous needs
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), which every launcher sets together: a stray
+    ``LOCAL_RANK`` or ``RANK`` left in a user's shell does not make a process a worker.
+    """
+    return all(os.environ.get(name) for name in _WORKER_ENV)
+
+
 def _rank() -> int:
     """This process's global rank (0 for a process that is not a launched worker)."""
     import torch.distributed as dist
-
-    from shardwise.launch.launcher import under_launcher
 
     if dist.is_initialized():
         return dist.get_rank()
@@ -351,6 +365,24 @@ def interrupt_context(where: Callable[[], str]) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------- a worker's life
+def close_process_group() -> None:
+    """Tear the default process group down once every rank is done with it.
+
+    The barrier first matters: a rank that destroys its gloo connections (or exits) while a
+    peer is still finishing its last collective can abort the peer at exit ("terminate called
+    without an active exception"). Call it on the success path only: after an error, a rank
+    waiting here for a peer that will never come would hang the job (the launcher stops the
+    other workers instead).
+    """
+    import torch.distributed as dist
+
+    from shardwise import comm
+
+    if dist.is_initialized():
+        comm.barrier()
+        dist.destroy_process_group()
+
+
 def run_worker(main: Callable[[], int | None]) -> NoReturn:
     """Run a launched worker's ``main`` and end the process.
 
@@ -370,8 +402,6 @@ def run_worker(main: Callable[[], int | None]) -> NoReturn:
             _flush()
             os._exit(status)
         try:
-            from shardwise.launch.launcher import close_process_group
-
             close_process_group()
         except BaseException as exc:  # noqa: BLE001
             end_with_failure(exc)

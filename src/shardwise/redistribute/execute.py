@@ -81,7 +81,7 @@ def _flat_slices(mesh: DeviceMesh, axes: tuple[int, ...]) -> list[tuple[int, ...
 
 def _group_exists(ranks: tuple[int, ...]) -> bool:
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 0
-    return ranks in mesh_module._GROUPS or ranks == tuple(range(world))
+    return mesh_module.group_cached(ranks) or ranks == tuple(range(world))
 
 
 def _flat_mesh(mesh: DeviceMesh, axes: tuple[int, ...]) -> DeviceMesh:

@@ -24,7 +24,7 @@ from shardwise.core.placement import Partial, Placement, Replicate
 from shardwise.redistribute.execute import redistribute_local
 from shardwise.core.spec import DTensorSpec
 
-__all__ = ["Redistribute", "FromLocal", "ToLocal", "grad_layout"]
+__all__ = ["Redistribute", "FromLocal", "ToLocal", "grad_layout", "bind_tensor_class"]
 
 
 def grad_layout(
@@ -45,10 +45,16 @@ def grad_layout(
     return tuple(out)
 
 
-def _dtensor_cls():
-    from shardwise.tensor.dtensor import DTensor
+_DTENSOR: list[type] = []  # [DTensor]: bound by shardwise.tensor.dtensor, which imports this module
 
-    return DTensor
+
+def bind_tensor_class(cls: type) -> None:
+    """Make ``cls`` the class these Functions build (``shardwise.tensor.dtensor`` binds DTensor)."""
+    _DTENSOR[:] = [cls]
+
+
+def _dtensor_cls() -> type:
+    return _DTENSOR[0]
 
 
 def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:

@@ -20,6 +20,9 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from shardwise import comm, dispatch
+from shardwise.core import mesh
+
 __all__ = ["BACKEND", "simulated_world"]
 
 BACKEND = "shardwise_sim"
@@ -38,13 +41,9 @@ def _register() -> None:
 
 def reset_shardwise_state() -> None:
     """Forget every cached process group and the decisions taken with them."""
-    from shardwise import comm
-    from shardwise.core import mesh
-    from shardwise.dispatch import dispatcher
-
-    mesh._GROUPS.clear()
-    comm._SEQ.clear()
-    dispatcher.clear_cache()
+    comm.forget_groups()
+    mesh.forget_groups()
+    dispatch.clear_cache()
 
 
 @contextlib.contextmanager

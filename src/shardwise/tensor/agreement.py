@@ -33,7 +33,7 @@ import torch.distributed as dist
 from shardwise import comm
 from shardwise.core.mesh import DeviceMesh
 from shardwise.core.placement import Placement, Shard
-from shardwise.core.spec import DTensorSpec, TensorMeta, contiguous_stride, dtype_name
+from shardwise.core.spec import DTensorSpec, TensorMeta, contiguous_stride, dtype_name, local_shape_and_offset
 
 __all__ = [
     "BlockInfo", "describe_block", "gather_grid", "check_blocks", "even_shape", "even_stride", "stride_like",
@@ -221,8 +221,6 @@ def _sharded_total(grid: Grid, mesh: DeviceMesh, axes: list[int], dim: int) -> t
 
 def _block_problems(grid: Grid, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size) -> list[str]:
     """Blocks that are not the torch.chunk piece the layout assigns to their rank."""
-    from shardwise.core.spec import local_shape_and_offset
-
     wrong = []
     for coordinate, info in grid.items():
         want = local_shape_and_offset(shape, mesh.shape, coordinate, placements)[0]

@@ -15,6 +15,7 @@ from typing import Iterable
 
 import torch
 
+from shardwise import comm
 from shardwise.tensor.dtensor import DTensor
 from shardwise.core.mesh import DeviceMesh
 
@@ -53,8 +54,6 @@ def total_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0, error
 
 def _combine_across(norm: torch.Tensor, norm_type: float, mesh: DeviceMesh) -> torch.Tensor:
     """The norm of the disjoint parameter sets of ``mesh``'s ranks, from each rank's ``norm``."""
-    from shardwise import comm
-
     if norm_type == float("inf"):
         return comm.all_reduce(norm.reshape(1), mesh, 0, "max").reshape(())
     summed = comm.all_reduce(norm.reshape(1) ** norm_type, mesh, 0, "sum").reshape(())

@@ -14,13 +14,15 @@ from typing import Any, Sequence
 
 import torch
 
+from shardwise.comm import run_ahead
 from shardwise.tensor import agreement as blocks
 from shardwise.compile.opaque import Packed, never_compiled, opaque, pack, tracing, unpack
-from shardwise.dispatch import dispatch
-from shardwise.core.mesh import DeviceMesh
+from shardwise.dispatch import bind_tensor_class, dispatch
+from shardwise.core.mesh import DeviceMesh, default_mesh
 from shardwise.core.meta_step import META_STEP
 from shardwise.core.placement import Placement, Replicate, as_placements
 from shardwise.redistribute.cross_mesh import check_same_ranks
+from shardwise.redistribute import function as layout_functions
 from shardwise.redistribute.function import FromLocal, Redistribute, ToLocal
 from shardwise.core.spec import DTensorSpec, TensorMeta, contiguous_stride, render_layout
 
@@ -141,8 +143,6 @@ class DTensor(torch.Tensor):
         Example:
             >>> dt = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])  # 4 ranks: f32[8@tp,3]
         """
-        from shardwise.tensor.factories import default_mesh
-
         mesh = device_mesh or default_mesh(local_tensor.device.type)
         placements = (as_placements(placements, "from_local: placements") if placements is not None
                       else (Replicate(),) * mesh.ndim)
@@ -201,8 +201,6 @@ class DTensor(torch.Tensor):
             raise ValueError("redistribute needs target placements")
         placements = as_placements(placements, "redistribute: placements")
         if async_op:  # collectives return at once; the block waits for its data at first use
-            from shardwise.comm import run_ahead
-
             with run_ahead():
                 return _redistribute(self, pack(device_mesh), pack(placements), pack(forward_dtype), pack(backward_dtype))
         return _redistribute(self, pack(device_mesh), pack(placements), pack(forward_dtype), pack(backward_dtype))
@@ -249,7 +247,7 @@ class DTensor(torch.Tensor):
     # A DTensor is traced as its block plus its spec: the spec (mesh by identity, placements,
     # global shape, stride and dtype) is the hashable context that guards compare, and the
     # dispatcher runs at trace time on fake blocks, so its collectives become graph nodes
-    # (see comm.py). README.md, "Compiling: torch.compile", describes the path.
+    # (see comm/collectives.py). README.md, "Compiling: torch.compile", describes the path.
     def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:
         return ["_local_tensor"], self._spec
 
@@ -294,6 +292,11 @@ def wrap_block(local_tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
     self._local_tensor = local_tensor
     self._spec = spec
     return self
+
+
+# The layers below build DTensors without importing this module (README, "Layout of the code").
+bind_tensor_class(DTensor, wrap_block)
+layout_functions.bind_tensor_class(DTensor)
 
 
 # ---------------------------------------------------------------------- the conversions

@@ -5,33 +5,15 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from shardwise import comm
+from shardwise.tensor import random as sw_random
 from shardwise.tensor.dtensor import DTensor
-from shardwise.core.mesh import DeviceMesh, current_mesh, init_device_mesh
+from shardwise.core.mesh import DeviceMesh, default_mesh, world_mesh
 from shardwise.core.placement import Partial, Placement, Replicate, Shard, as_placements
 from shardwise.core.spec import DTensorSpec, TensorMeta, contiguous_stride
 
 __all__ = ["distribute_tensor", "default_mesh", "world_mesh", "zeros", "ones", "empty", "full", "rand", "randn"]
-
-_DEFAULT_MESHES: dict[str, DeviceMesh] = {}
-
-
-def default_mesh(device_type: str = "cpu") -> DeviceMesh:
-    """The mesh used when none is given: the innermost ``with mesh:``, else ``world_mesh``."""
-    current = current_mesh()
-    return current if current is not None else world_mesh(device_type)
-
-
-def world_mesh(device_type: str = "cpu") -> DeviceMesh:
-    """A 1-D mesh over the whole world (fully_shard's and replicate's default, as in torch)."""
-    mesh = _DEFAULT_MESHES.get(device_type)
-    if mesh is None:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        mesh = _DEFAULT_MESHES[device_type] = init_device_mesh(device_type, (world,))
-    return mesh
-
 
 def _layout(
     mesh: DeviceMesh | None, placements: Sequence[Placement] | None, device_type: str, what: str
@@ -181,8 +163,6 @@ def _random_block(kind: str) -> Fill:
     depend on the mesh or placements. Every rank, also one holding an empty block, advances
     the stream by the global element count.
     """
-    from shardwise.tensor import random as sw_random
-
     def fill(shape, local_shape, offset, options):
         return sw_random.draw(kind, shape, offset, local_shape, **options)
 

@@ -21,7 +21,7 @@ from shardwise.core.spec import DTensorSpec, TensorMeta
 __all__ = ["SAFE_GLOBALS"]
 
 SAFE_GLOBALS = [
-    dtensor._rebuild_dtensor, dtensor.DTensor, mesh._rebuild_root, mesh._rebuild_submesh, mesh.DeviceMesh,
+    dtensor._rebuild_dtensor, dtensor.DTensor, *mesh.UNPICKLE_FUNCTIONS, mesh.DeviceMesh,
     DTensorSpec, TensorMeta, Shard, Replicate, Partial,
 ]
 

@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from shardwise.dispatch import walk
+from shardwise.dispatch import tensor_class, walk
 from shardwise.dispatch.cache import PLANS
 from shardwise.dispatch.strategy import Candidate, OpSchema, choose
 from shardwise.core.placement import Placement, Replicate, Shard
@@ -123,37 +123,10 @@ def meta_of(value: Any) -> Any:
     return value
 
 
-_DTENSOR: list = []  # [DTensor, wrap_block], imported on first use (shardwise.tensor.dtensor imports dispatch)
-
-
-def dtensor_cls() -> type:
-    """The DTensor class, without an import statement per call (handlers run per op)."""
-    if not _DTENSOR:
-        from shardwise.tensor.dtensor import DTensor, wrap_block
-
-        _DTENSOR[:] = [DTensor, wrap_block]
-    return _DTENSOR[0]
-
-
-def wrap_block() -> Callable[[torch.Tensor, DTensorSpec], Any]:
-    """``shardwise.tensor.dtensor.wrap_block``: for runners that wrap blocks on every call."""
-    dtensor_cls()
-    return _DTENSOR[1]
-
-
-def new_dtensor(local: torch.Tensor, spec: DTensorSpec) -> Any:
-    """``DTensor(local, spec, requires_grad=False)``, the fast way (``shardwise.tensor.dtensor.wrap_block``)."""
-    if not _DTENSOR:
-        dtensor_cls()
-    return _DTENSOR[1](local, spec)
-
-
 def make_spec(mesh: Any, placements: tuple[Placement, ...], meta: torch.Tensor) -> DTensorSpec:
     return DTensorSpec(mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype))
 
 
 def wrap_local(local: torch.Tensor, mesh: Any, placements: tuple[Placement, ...], meta: torch.Tensor) -> Any:
     """A DTensor of ``local`` blocks whose global metadata is the meta tensor ``meta``'s."""
-    from shardwise.tensor.dtensor import DTensor
-
-    return DTensor(local, make_spec(mesh, placements, meta), requires_grad=False)
+    return tensor_class.DTensor(local, make_spec(mesh, placements, meta), requires_grad=False)

@@ -42,6 +42,7 @@ from shardwise.dispatch.registry import register_custom_handler
 from shardwise.dispatch.strategy import Candidate, OpSchema, expand
 from shardwise.core.placement import Partial, Placement, Shard
 from shardwise.core.spec import DTensorSpec, TensorMeta
+from shardwise.dispatch import tensor_class
 
 __all__ = ["flash_forward", "flash_backward", "attention_handler"]
 
@@ -132,8 +133,7 @@ def flash_backward(schema: OpSchema) -> list[Candidate]:
 # ---------------------------------------------------------------------- running the kernels
 def _schema_of(op: Any, args: tuple, kwargs: dict) -> tuple[OpSchema, list[Any]]:
     """The call as the propagator sees it (specs in place of DTensors), and its DTensors."""
-    from shardwise.tensor.dtensor import DTensor
-
+    DTensor = tensor_class.DTensor
     found = walk.labelled(args, kwargs)
     plain = [where for where, v in found if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)]
     if plain:
@@ -162,8 +162,7 @@ def attention_handler(make: Callable[[OpSchema], list[Candidate]], like: tuple[s
     lengths) are passed through from the local kernel; tensor outputs become DTensors."""
 
     def handler(op: Any, args: tuple, kwargs: dict) -> tuple:
-        from shardwise.tensor.dtensor import DTensor
-
+        DTensor = tensor_class.DTensor
         schema, dtensors = _schema_of(op, args, kwargs)
         key = (op, schema.args, schema.kwargs)
         plan = cached_choice(key, schema, lambda: make(schema))

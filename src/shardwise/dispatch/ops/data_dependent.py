@@ -23,6 +23,7 @@ from shardwise.dispatch import walk
 from shardwise.dispatch.ops._common import R, aten, local_block
 from shardwise.dispatch.registry import allow_plain_indices, register_custom_handler
 from shardwise.core.spec import DTensorSpec, TensorMeta
+from shardwise.dispatch import tensor_class
 
 __all__ = ["run_replicated"]
 
@@ -38,8 +39,7 @@ _DATA_DEPENDENT = [
 
 
 def _dtensor_type() -> type:
-    from shardwise.tensor.dtensor import DTensor
-
+    DTensor = tensor_class.DTensor
     return DTensor
 
 

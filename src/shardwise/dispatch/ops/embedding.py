@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from shardwise.dispatch.ops._common import R, aten, dtensor_cls, new_dtensor, wrap_block
+from shardwise.dispatch.ops._common import R, aten
+from shardwise.dispatch.tensor_class import block_wrapper, dtensor_cls, new_dtensor
 from shardwise.dispatch.registry import register_custom_handler
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, choose, expand
 from shardwise.core.placement import Partial, Placement, Shard
@@ -196,7 +197,7 @@ def _lookup_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
     if plan.inputs != (None, None) or plan.rows is not None:
         return None
     call = op._op if isinstance(op, torch._ops.OpOverload) else op  # skips the overload's Python __call__
-    spec, wrap = plan.output, wrap_block()
+    spec, wrap = plan.output, block_wrapper()
 
     def run(op: Any, args: tuple, kwargs: dict, dtensors: list) -> Any:
         return wrap(call(args[0]._local_tensor, args[1]._local_tensor, *args[2:]), spec)

@@ -22,6 +22,7 @@ import torch
 from shardwise.dispatch.ops._common import aten
 from shardwise.dispatch.dispatcher import allow_mixed_meshes
 from shardwise.dispatch.registry import register_custom_handler
+from shardwise.dispatch import tensor_class
 
 __all__ = ["foreach_ops"]
 
@@ -70,9 +71,7 @@ def _element(value: Any) -> Any:
 
 
 def _is_dtensor(value: Any) -> bool:
-    from shardwise.tensor.dtensor import DTensor
-
-    return isinstance(value, DTensor)
+    return isinstance(value, tensor_class.DTensor)
 
 
 # Per-tensor ops whose call differs from "same name, same positional arguments".

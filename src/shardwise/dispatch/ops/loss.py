@@ -37,6 +37,7 @@ from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expa
 from shardwise.core.placement import Partial, Placement, Shard
 from shardwise.redistribute.execute import redistribute_local
 from shardwise.core.spec import DTensorSpec
+from shardwise.dispatch import tensor_class
 
 __all__ = ["nll_loss_forward", "nll_loss_backward", "mse_loss_forward", "mse_loss_backward"]
 
@@ -52,8 +53,7 @@ def _plan(op: Any, specs: tuple[DTensorSpec, ...], reduction: int,
 
 def _dtensors(name: str, values: list[Any]) -> list[Any]:
     """The tensor arguments, which the dispatcher guarantees are DTensors (or None)."""
-    from shardwise.tensor.dtensor import DTensor
-
+    DTensor = tensor_class.DTensor
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if not all(isinstance(t, DTensor) for t in tensors):
         raise ValueError(f"{name}: mix of DTensors and plain tensors; make every tensor argument a DTensor")

@@ -36,6 +36,7 @@ from shardwise.dispatch.registry import register_custom_handler, register_strate
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
 from shardwise.core.placement import Partial, Placement, Shard
 from shardwise.core.spec import DTensorSpec, TensorMeta
+from shardwise.dispatch import tensor_class
 
 _FLIP = {"max": "min", "min": "max"}
 # Ops whose value is the same kind of reduction of the inputs' contributions, with each
@@ -290,8 +291,7 @@ def empty_like(op: Any, args: tuple, kwargs: dict) -> Any:
     mesh's device type or "meta"; any other raises before anything is allocated (every rank
     calls it alike, so every rank raises).
     """
-    from shardwise.tensor.dtensor import DTensor
-
+    DTensor = tensor_class.DTensor
     x = args[0]
     spec = x._spec
     device = kwargs.get("device")

@@ -17,12 +17,11 @@ from shardwise.dispatch.registry import register_custom_handler
 from shardwise.core.placement import Partial, Replicate
 from shardwise.tensor.random import random_block
 from shardwise.core.spec import DTensorSpec, TensorMeta
+from shardwise.dispatch import tensor_class
 
 
 def _dtensor(local: torch.Tensor, spec: DTensorSpec):
-    from shardwise.tensor.dtensor import DTensor
-
-    return DTensor(local, spec, requires_grad=False)
+    return tensor_class.DTensor(local, spec, requires_grad=False)
 
 
 def _whole(spec: DTensorSpec, dtype: torch.dtype | None = None) -> DTensorSpec:

@@ -33,6 +33,7 @@ from shardwise.dispatch.registry import register_custom_handler, register_strate
 from shardwise.dispatch.strategy import AxisCandidate, Candidate, OpSchema, expand
 from shardwise.core.placement import Partial, Placement, Shard
 from shardwise.core.spec import DTensorSpec, TensorMeta
+from shardwise.dispatch import tensor_class
 
 __all__ = ["reduction_axis_candidates", "reduced_dims", "scan_axis_candidates"]
 
@@ -277,8 +278,7 @@ def _run_local(op: Any, x: Any, args: tuple, kwargs: dict, reduced: tuple[int, .
     non-empty result means a reduced dim has length 0 on every rank: the op runs, giving what
     it gives on one device (NaN for var / mean, 0 for sum), the same on every rank.
     """
-    from shardwise.tensor.dtensor import DTensor
-
+    DTensor = tensor_class.DTensor
     spec = x._spec
     placements = tuple(Shard(_out_dim(p.dim, reduced, keepdim)) if isinstance(p, Shard) else p for p in spec.placements)
     specs = [DTensorSpec(spec.mesh, placements, m) for m in metas]
@@ -303,8 +303,7 @@ def _stat_handler(rewrite: Callable[..., Any]) -> Callable:
     """
 
     def handler(op: Any, args: tuple, kwargs: dict) -> Any:
-        from shardwise.tensor.dtensor import DTensor
-
+        DTensor = tensor_class.DTensor
         bound = _bind(op, args, kwargs)
         x = bound["self"]
         if not isinstance(x, DTensor):
