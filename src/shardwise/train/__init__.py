@@ -11,6 +11,7 @@ family's TP/SP -> activation checkpointing -> compile -> FSDP/HSDP/DDP, from out
 
 from shardwise.train.config import ConfigError, JobConfig, get_model_args
 from shardwise.train.spec import ModelFamily, family_names, get_family, register_family
+from shardwise.train import models  # noqa: F401  (registers the built-in families, first)
 
 __all__ = ["ConfigError", "JobConfig", "get_model_args", "ModelFamily", "register_family", "get_family",
            "family_names"]

@@ -2,8 +2,8 @@
 
 The trainer never names a model (README, "Adding a model family"). A family is one folder under
 ``shardwise/train/models/`` whose ``__init__`` builds a ``ModelFamily`` and calls
-``register_family``; ``get_family(name)`` finds it (the built-in families are registered on
-first use, by importing ``shardwise.train.models``). The family holds everything
+``register_family``; ``get_family(name)`` finds it (``shardwise.train`` imports
+``shardwise.train.models``, so the built-in families are registered first). The family holds everything
 model-specific: its named configs (args of the family's own type), how to build the
 single-device model, its tensor-parallel plan, where its blocks are (the units of activation
 checkpointing, ``torch.compile``, FSDP and pipeline stages), which buffers run along the
@@ -136,7 +136,6 @@ def register_family(family: ModelFamily) -> ModelFamily:
     Registering the same object twice is harmless (a module imported again); another family
     under a taken name is refused.
     """
-    _register_builtin()  # built-in families first, whoever registers first (``family_names``' order)
     held = _FAMILIES.get(family.name)
     if held is not None and held is not family:
         raise ValueError(f"a model family named {family.name!r} is already registered")
@@ -146,7 +145,6 @@ def register_family(family: ModelFamily) -> ModelFamily:
 
 def get_family(name: str) -> ModelFamily:
     """The registered family ``name``, or a ``ConfigError`` listing the known ones."""
-    _register_builtin()
     try:
         return _FAMILIES[name]
     except KeyError:
@@ -154,11 +152,5 @@ def get_family(name: str) -> ModelFamily:
 
 
 def family_names() -> Sequence[str]:
-    """Every registered family's name, built-in ones first."""
-    _register_builtin()
+    """Every registered family's name, built-in ones first (``shardwise.train`` imports them)."""
     return list(_FAMILIES)
-
-
-def _register_builtin() -> None:
-    """Import the built-in families (each registers itself); cached by Python's import system."""
-    import shardwise.train.models  # noqa: F401

@@ -1,6 +1,6 @@
 """The built-in model families, one folder each; importing this package registers them.
 
-``shardwise.train.spec.get_family`` imports it on first use. A family of your own registers
+``shardwise.train`` imports it, so the built-in families are registered before any other. A family of your own registers
 itself the same way (README, "Adding a model family").
 """
 
