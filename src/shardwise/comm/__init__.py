@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from shardwise.comm.bytes import all_reduce_sent
+from shardwise.units import format_bytes
 from shardwise.core.mesh import DeviceMesh
 
 __all__ = [
@@ -167,18 +168,11 @@ class CollectiveCall:
     def describe(self) -> str:
         """E.g. ``all_reduce #12 over mesh axis 'dp' (ranks [0, 1], 16 B)``."""
         where = f"mesh axis {self.axis!r}" if self.axis is not None else "all ranks"
-        return f"{self.kind} #{self.seq} over {where} (ranks {list(self.group_ranks)}, {_size(self.nbytes)})"
+        return f"{self.kind} #{self.seq} over {where} (ranks {list(self.group_ranks)}, {format_bytes(self.nbytes)})"
 
     def key(self) -> tuple:
         """What two ranks must agree on to be in the same collective."""
         return (self.kind, self.seq, self.group_ranks)
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 class CollectiveError(RuntimeError):

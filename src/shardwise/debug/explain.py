@@ -49,6 +49,7 @@ from shardwise.debug.module_tracker import GLOBAL, ModuleTracker, current_phase
 from shardwise.dispatch import walk
 from shardwise.core.mesh import DeviceMesh
 from shardwise.core.spec import DTensorSpec, render_layout
+from shardwise.units import format_bytes
 
 __all__ = ["explain", "Explanation", "OpEntry", "Strategy", "CollectiveEntry"]
 
@@ -67,20 +68,25 @@ class CollectiveEntry:
 
     def describe(self) -> str:
         served = f" ({self.cause})" if self.cause else ""
-        return f"{self.kind} on {self.axis}: {_size(self.bytes)}{served}"
+        return f"{self.kind} on {self.axis}: {format_bytes(self.bytes)}{served}"
 
 
 @dataclass
 class Strategy:
     """One candidate layout of an op: where its DTensor inputs must be, where its outputs land,
-    and the bytes the busiest rank sends to move the inputs there."""
+    the bytes the busiest rank sends to move the inputs there, and the predicted time of that
+    move (``shardwise.cost``, the active profile): what the dispatcher chooses by."""
 
     inputs: list[str]
     outputs: list[str]
     cost_bytes: float
+    cost_s: float = 0.0
 
     def describe(self) -> str:
-        cost = "impossible" if self.cost_bytes == float("inf") else _size(int(self.cost_bytes))
+        if self.cost_bytes == float("inf"):
+            cost = "impossible"
+        else:
+            cost = f"{format_bytes(int(self.cost_bytes))}, {self.cost_s * 1e6:.0f} us predicted"
         return f"({', '.join(self.inputs)}) -> ({', '.join(self.outputs)}) [{cost}]"
 
 
@@ -323,7 +329,7 @@ def _candidates(func: Any, args: tuple, kwargs: dict, specs: list, num_outputs: 
 
 
 def _cost(specs: list, targets: tuple) -> tuple[float, int]:
-    """What ``strategy.choose`` ranks by: bytes moved, then mesh axes changed."""
+    """What ``strategy.choose`` ranks by: predicted seconds, then mesh axes changed."""
     from shardwise.dispatch.strategy import _changed_axes, input_cost
 
     return (sum(input_cost(s, t) for s, t in zip(specs, targets)), sum(_changed_axes(s, t) for s, t in zip(specs, targets)))
@@ -333,22 +339,13 @@ def _as_strategy(specs: list, inputs: tuple, out_specs: list, out_placements: li
     ins = [render_layout(s.mesh, p, s.tensor_meta) for s, p in zip(specs, inputs)]
     outs = [render_layout(o.mesh, p, o.tensor_meta) for o, p in zip(out_specs, out_placements)
             if isinstance(o, DTensorSpec) and p is not None]
-    cost = sum(_input_cost(s, p) for s, p in zip(specs, inputs))
-    return Strategy(ins, outs, cost)
+    from shardwise.dispatch.strategy import input_bytes, input_cost
 
-
-def _input_cost(spec: DTensorSpec, target: tuple) -> float:
-    from shardwise.dispatch.strategy import input_cost
-
-    return input_cost(spec, target)
+    return Strategy(ins, outs, sum(input_bytes(s, p) for s, p in zip(specs, inputs)),
+                    sum(input_cost(s, p) for s, p in zip(specs, inputs)))
 
 
 # ---------------------------------------------------------------------- rendering
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def _rich_available() -> bool:
@@ -394,7 +391,7 @@ def _item_lines(item: Any) -> list[str]:
 
 def _header(ex: Explanation) -> str:
     n = len(ex.all_collectives())
-    return f"explain (rank {ex.rank}): {len(ex.ops)} ops, {n} collectives, {_size(ex.bytes_sent)} sent"
+    return f"explain (rank {ex.rank}): {len(ex.ops)} ops, {n} collectives, {format_bytes(ex.bytes_sent)} sent"
 
 
 def _render_plain(ex: Explanation) -> str:

@@ -212,7 +212,7 @@ def _mutated_layouts(op: Any, schema: OpSchema) -> str:
 
 
 def _write_back_cost(schema: OpSchema, candidate: Candidate) -> float:
-    """Bytes to bring the op's result (self's output layout) back into self's layout."""
+    """Predicted seconds to bring the op's result (self's output layout) back into self's layout."""
     from shardwise.dispatch.strategy import input_cost
 
     spec = schema.specs[0]
