@@ -67,7 +67,10 @@ class Link(str, enum.Enum):
 class Hardware:
     """One device profile: memory, compute, and each link's bandwidth (bytes/s, one direction,
     per device) and latency (seconds per algorithm step); ``collective_latency_s`` is paid once
-    per collective issued (launch, synchronisation); ``gpus_per_node`` places axes on links."""
+    per collective issued (launch, synchronisation); ``gpus_per_node`` places axes on links.
+    ``shared_bandwidth``: the ranks of a node share one memory system and its cores (gloo
+    processes on one machine), so intra-node time counts the bytes EVERY rank sends, over the
+    node's bandwidth, rather than the busiest rank's over its own link."""
 
     name: str
     memory_bytes: float
@@ -78,6 +81,7 @@ class Hardware:
     inter_node_latency_s: float = 0.0
     collective_latency_s: float = 0.0
     gpus_per_node: int = 8
+    shared_bandwidth: bool = False
 
     def bandwidth(self, link: Link) -> float:
         return self.intra_node_bw if link is Link.INTRA_NODE else self.inter_node_bw
@@ -111,8 +115,9 @@ def latency(kind: Collective, group_size: int, link: Link, hardware: Hardware) -
 
 
 def collective_time(kind: Collective, nbytes_busiest: int, group_size: int, link: Link,
-                    hardware: Hardware) -> float:
-    """Predicted seconds for one collective: latency plus the busiest rank's bytes over the link.
+                    hardware: Hardware, nbytes_all: int | None = None) -> float:
+    """Predicted seconds for one collective: latency plus the busiest rank's bytes over the link
+    (on a ``shared_bandwidth`` node: every rank's bytes over the node's bandwidth).
 
     Args:
         kind: which collective.
@@ -120,6 +125,9 @@ def collective_time(kind: Collective, nbytes_busiest: int, group_size: int, link
         group_size: ranks in the group; one rank communicates nothing and costs nothing.
         link: the link the group's ranks talk over (``axis_links``).
         hardware: the profile.
+        nbytes_all: bytes sent by every rank on the node meanwhile (all the copies of the group
+            running side by side); default ``nbytes_busiest * group_size``. Read only on a
+            ``shared_bandwidth`` profile.
 
     Example:
         >>> h = Hardware("toy", 0, 0, intra_node_bw=1e9, inter_node_bw=1e8, intra_node_latency_s=1e-6)
@@ -128,7 +136,10 @@ def collective_time(kind: Collective, nbytes_busiest: int, group_size: int, link
     """
     if group_size < 2:
         return 0.0
-    return latency(kind, group_size, link, hardware) + transfer_time(nbytes_busiest, link, hardware)
+    nbytes = nbytes_busiest
+    if hardware.shared_bandwidth and link is Link.INTRA_NODE:
+        nbytes = nbytes_busiest * group_size if nbytes_all is None else nbytes_all
+    return latency(kind, group_size, link, hardware) + transfer_time(nbytes, link, hardware)
 
 
 def transfer_time(nbytes: float, link: Link, hardware: Hardware) -> float:

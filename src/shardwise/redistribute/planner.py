@@ -38,7 +38,7 @@ import enum
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
@@ -76,7 +76,9 @@ Layout = tuple[Placement, ...]
 class Step:
     """Change mesh ``axis`` from ``src`` to ``dst`` with ``collective``.
 
-    ``bytes_per_rank`` is what the busiest rank of the axis sends. ``flattened`` (two or more
+    ``bytes_per_rank`` is what the busiest rank of the axis sends; ``bytes_all`` what every rank
+    of the mesh sends (an exchange's exact figure; 0 for an axis step, priced as the busiest
+    rank's bytes times the ranks). ``flattened`` (two or more
     axes, ``axis`` the first) marks a collective over all of them at once, by their flattened
     group; otherwise it is empty. An exchange (``target`` set: the whole layout after it)
     re-lays several axes at once by one all_to_all over ``axes``' (flattened) group.
@@ -89,6 +91,7 @@ class Step:
     bytes_per_rank: int
     flattened: tuple[int, ...] = ()
     target: Layout = ()
+    bytes_all: int = field(default=0, compare=False)
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -161,8 +164,7 @@ _FREE = (StepKind.LOCAL_CHUNK, StepKind.PARTITION, StepKind.RELABEL, StepKind.RE
 # 64 ranks, minutes at 1,024), while axis-by-axis steps are priced in time independent of it.
 EXCHANGE_MAX_RANKS = 32
 # An exchange also packs and unpacks its runs on the host (a schedule of boxes, one copy per
-# run): measured on gloo, a one-exchange plan of small blocks took about as long as two native
-# collectives (README, "The redistribute planner"), so it is priced one collective latency more.
+# run): fitted on gloo over small blocks (README, "The redistribute planner"), one collective latency.
 EXCHANGE_HOST_LATENCIES = 1
 
 
@@ -321,7 +323,8 @@ class _Context:
         link = Link.INTER_NODE if any(links[a] is Link.INTER_NODE for a in step.axes) else Link.INTRA_NODE
         n = math.prod(self.mesh_shape[a] for a in step.axes)
         host = EXCHANGE_HOST_LATENCIES * self.hardware.collective_latency_s if step.target else 0.0
-        return host + collective_time(Collective(step.collective.value), step.bytes_per_rank, n, link, self.hardware)
+        return host + collective_time(Collective(step.collective.value), step.bytes_per_rank, n, link, self.hardware,
+                                      step.bytes_all or step.bytes_per_rank * math.prod(self.mesh_shape))
 
     def time(self, steps: tuple[Step, ...]) -> float:
         return sum(self.step_time(s) for s in steps)
@@ -381,7 +384,7 @@ class _Context:
             return None
         busiest = max(ex.sends) * self.itemsize
         return Step(group[0], layout[group[0]], dst[group[0]], StepKind.ALL_TO_ALL, busiest,
-                    group if len(group) > 1 else (), dst)
+                    group if len(group) > 1 else (), dst, sum(ex.sends) * self.itemsize)
 
     def group(self, axes: Sequence[int]) -> tuple[int, ...] | None:
         """The smallest group over ``axes``: one axis, or an existing flattened group holding
