@@ -35,12 +35,13 @@ def _all_pairs(mesh_shape):
 
 
 def _exchange_kind(layout, step):
-    """What the executor's handling of an exchange step depends on: the axes it spans, its
-    collective, and which axes hold shards, copies or partial values before and after it."""
+    """What the executor's handling of an exchange step depends on: the axes it spans, those
+    kept pending, its collective, and which axes hold shards, copies or partial values before
+    and after it."""
     def kinds(placements):
         return tuple("P" if p.is_partial() else "R" if p.is_replicate() else "S" for p in placements)
 
-    return ("exchange", step.axes, step.collective, kinds(layout), kinds(step.target))
+    return ("exchange", step.axes, step.kept, step.collective, kinds(layout), kinds(step.target))
 
 
 def _covering_pairs(dist, mesh_shape, shape):
@@ -238,27 +239,30 @@ def _exchanges(cases):
 
     from shardwise.redistribute.bound import coordinates
 
-    use_hardware(BANDWIDTH_ONLY)  # exchanges even for these small shapes (the executor is under test)
-    results = {}
-    for mesh_shape, shape, limit in cases:
-        mesh = sw.init_device_mesh("cpu", mesh_shape)
-        flattened = flattened_groups(mesh)
-        me = coordinates(mesh_shape).index(tuple(mesh.get_coordinate()))
-        shuffled = _all_pairs(mesh_shape)
-        random.Random(0).shuffle(shuffled)
-        pairs = itertools.islice(((s, d) for s, d in shuffled
-                                  if any(st.target for st in plan_redistribute(shape, 8, mesh_shape, s, d, flattened).steps)),
-                                 limit)
-        x = _global(shape)
-        for src, dst in pairs:
-            start = sw.distribute_tensor(x, mesh, src, src_data_rank=None)
-            with CommDebugMode() as comms:
-                out = start.redistribute(mesh, dst)
-            plan = plan_redistribute(shape, 8, mesh_shape, src, dst, flattened)
-            _, offset = out._spec.local_shape_and_offset()
-            results[(mesh_shape, shape, src, dst)] = (
-                out.placements, out.to_local().clone(), offset, mesh.get_coordinate(),
-                sum(r.bytes_sent for r in comms.records), plan.sends[me], str(plan))
+    before = use_hardware(BANDWIDTH_ONLY)  # exchanges even for these small shapes (the executor is under test)
+    try:
+        results = {}
+        for mesh_shape, shape, limit in cases:
+            mesh = sw.init_device_mesh("cpu", mesh_shape)
+            flattened = flattened_groups(mesh)
+            me = coordinates(mesh_shape).index(tuple(mesh.get_coordinate()))
+            shuffled = _all_pairs(mesh_shape)
+            random.Random(0).shuffle(shuffled)
+            pairs = itertools.islice(((s, d) for s, d in shuffled
+                                      if any(st.target for st in plan_redistribute(shape, 8, mesh_shape, s, d, flattened).steps)),
+                                     limit)
+            x = _global(shape)
+            for src, dst in pairs:
+                start = sw.distribute_tensor(x, mesh, src, src_data_rank=None)
+                with CommDebugMode() as comms:
+                    out = start.redistribute(mesh, dst)
+                plan = plan_redistribute(shape, 8, mesh_shape, src, dst, flattened)
+                _, offset = out._spec.local_shape_and_offset()
+                results[(mesh_shape, shape, src, dst)] = (
+                    out.placements, out.to_local().clone(), offset, mesh.get_coordinate(),
+                    sum(r.bytes_sent for r in comms.records), plan.sends[me], str(plan))
+    finally:
+        use_hardware(before)  # the pool's workers run other tests next
     return results
 
 

@@ -171,8 +171,11 @@ def active_hardware() -> Hardware:
     return _ACTIVE[0]
 
 
-def use_hardware(hardware: Hardware | str) -> None:
+def use_hardware(hardware: Hardware | str) -> Hardware:
     """Price plans with ``hardware`` (a profile or its name in ``plan/hardware.json``) from now
-    on, in this process. Plans are cached per profile, so switching back and forth is cheap."""
-    profile = load_hardware(hardware) if isinstance(hardware, str) else hardware
-    _ACTIVE[:] = [profile]
+    on, in this process; returns the profile it replaces (to restore it). Plans are cached per
+    profile, so switching back and forth is cheap. Every rank must price with the same profile:
+    ranks that plan differently would enter different collectives."""
+    before = active_hardware()
+    _ACTIVE[:] = [load_hardware(hardware) if isinstance(hardware, str) else hardware]
+    return before

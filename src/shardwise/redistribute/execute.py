@@ -22,6 +22,7 @@ from shardwise.core.placement import Placement, Replicate, Shard
 from shardwise.redistribute.bound import coordinates, intersect, needs_value
 from shardwise.redistribute.cross_mesh import plan_cross_mesh
 from shardwise.redistribute.exchange import plan_exchange
+from shardwise.redistribute.pending import drop, lift_transfers
 from shardwise.redistribute.planner import Plan, Step, StepKind, plan_redistribute
 from shardwise.core.spec import DTensorSpec, local_shape_and_offset
 
@@ -181,16 +182,18 @@ def _run_exchange(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tu
     the schedule gives it, build this rank's target block from what it keeps and receives."""
     mesh = spec.mesh
     shape, mesh_shape = tuple(spec.shape), tuple(mesh.shape)
-    ex = plan_exchange(shape, mesh_shape, layout, step.target)
+    kept = step.kept  # axes whose reduction stays pending: the schedule runs in each slice
+    sub_layout, sub_target = drop(layout, kept), drop(step.target, kept)
+    ex = plan_exchange(shape, drop(mesh_shape, kept), sub_layout, sub_target)
     group = _Group(mesh, step.axes)
     me, coords, size, peer = group.me, group.coords, group.size, group.peer
-    in_group = group.mine(ex.transfers)
+    in_group = group.mine(lift_transfers(ex.transfers, mesh_shape, kept, coords[me]))
     src_offset = local_shape_and_offset(shape, mesh_shape, coords[me], layout)[1]
     dst_shape, dst_offset = local_shape_and_offset(shape, mesh_shape, coords[me], step.target)
     out = local.new_empty(dst_shape)
     own = intersect((src_offset, tuple(local.shape)), (dst_offset, dst_shape))
-    reducing = any(p.is_partial() for p in layout)  # Partial(sum): add every contribution
-    if not needs_value(step.target, coords[me]):  # it still sends what it holds
+    reducing = any(p.is_partial() for p in sub_layout)  # Partial(sum): add every contribution
+    if not needs_value(sub_target, drop(coords[me], kept)):  # it still sends what it holds
         out, own = _identity(out, step.target), None
     if reducing:
         out.zero_()

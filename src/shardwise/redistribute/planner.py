@@ -25,11 +25,15 @@ with ``shardwise.cost.use_hardware``). Two kinds of candidate are weighed:
   search reaches by reducing the source's Partial axes, or (a Partial(sum) source) reduces on
   the way, possibly into a fully sharded refinement of the target first.
 
+* the plan keeping a reduction pending (``pending.py``): an axis Partial in both layouts with
+  the same op stays unreduced (each rank keeps its own contribution) and the other axes are
+  planned as a transition of their own, run side by side in every slice of the kept axes.
+
 The fastest predicted plan wins, ties to the axis-by-axis one. README, "The redistribute
 planner", has the ablation that decided which candidates to keep: reduce-forward (two
-all_to_alls reducing each element at a consumer), plans keeping a Partial axis pending, and
-the byte lower bound as the planner's target were removed, being no faster measured on gloo and
-slower predicted on h100. ``bound.py`` keeps the lower bound as a reported figure.
+all_to_alls reducing each element at a consumer) and the byte lower bound as the planner's
+target were removed, being slower measured on gloo and predicted on h100; ``bound.py`` keeps
+the lower bound as a reported figure.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from shardwise.core.spec import local_shape_and_offset
 from shardwise.cost import Collective, Hardware, Link, active_hardware, axis_links, collective_time
 from shardwise.redistribute.bound import coordinates
 from shardwise.redistribute.exchange import plan_exchange, reducible
+from shardwise.redistribute.pending import drop, insert, kept_axes, rest_axes, sub_groups, widen
 
 __all__ = ["StepKind", "Step", "Plan", "plan_redistribute", "plan_candidates"]
 
@@ -81,7 +86,9 @@ class Step:
     rank's bytes times the ranks). ``flattened`` (two or more
     axes, ``axis`` the first) marks a collective over all of them at once, by their flattened
     group; otherwise it is empty. An exchange (``target`` set: the whole layout after it)
-    re-lays several axes at once by one all_to_all over ``axes``' (flattened) group.
+    re-lays several axes at once by one all_to_all over ``axes``' (flattened) group. ``kept``:
+    mesh axes Partial before and after whose reduction stays pending (``pending.py``); the
+    exchange then runs its schedule over the mesh without them, in every slice at once.
     """
 
     axis: int
@@ -92,6 +99,7 @@ class Step:
     flattened: tuple[int, ...] = ()
     target: Layout = ()
     bytes_all: int = field(default=0, compare=False)
+    kept: tuple[int, ...] = ()
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -114,6 +122,8 @@ class Step:
 
     def __str__(self) -> str:
         where = f"axes {'+'.join(map(str, self.flattened))}" if self.flattened else f"axis {self.axis}"
+        if self.kept:
+            where += f" (axes {'+'.join(map(str, self.kept))} kept pending)"
         if self.target:
             return f"{where}: exchange to ({','.join(map(str, self.target))}) by {self.collective} ({self.bytes_per_rank} B)"
         return f"{where}: {self.src} -> {self.dst} by {self.collective} ({self.bytes_per_rank} B)"
@@ -240,11 +250,38 @@ def _bytes(steps: tuple[Step, ...]) -> int:
 
 
 def _candidates(ctx: "_Context", src: Layout, dst: Layout) -> list[tuple[Step, ...]]:
-    """The plans weighed: the axis-by-axis path first, then the exchange routes."""
+    """The plans weighed: the axis-by-axis path first, the exchange routes, then the plan keeping
+    reductions pending (each where it applies)."""
     paths = _search(ctx, src)
     if dst not in paths:
         raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(ctx.shape)}")
-    return [paths[dst], *_exchange_routes(ctx, src, dst, paths)]
+    kept = _kept_plan(ctx, src, dst)
+    return [paths[dst], *_exchange_routes(ctx, src, dst, paths), *([kept] if kept else [])]
+
+
+def _kept_plan(ctx: "_Context", src: Layout, dst: Layout) -> tuple[Step, ...] | None:
+    """The plan that keeps the reductions of ``pending.kept_axes`` pending: the sub-plan over
+    the other axes, its steps lifted to the full mesh (None when no axis may be kept)."""
+    kept = kept_axes(ctx.mesh_shape, src, dst)
+    if not kept:
+        return None
+    rest, held, ndim = rest_axes(len(ctx.mesh_shape), kept), tuple(src[a] for a in kept), len(ctx.mesh_shape)
+    sub_ctx = _context(ctx.shape, ctx.itemsize, drop(ctx.mesh_shape, kept), drop(src, kept), drop(dst, kept),
+                       sub_groups(ctx.flattened, kept, ndim), ctx.hardware)
+    steps = []
+    for s in _plan(sub_ctx, drop(src, kept), drop(dst, kept)).steps:
+        group: tuple[int, ...] | None = tuple(rest[a] for a in s.flattened)
+        if group and s.target:  # an all_to_all: may run on a group that spans the kept axes
+            group = widen(group, ctx.flattened, kept, ctx.mesh_shape)
+        elif group and group not in ctx.flattened:  # a reduction over the other axes only
+            group = None
+        if group is None:
+            return None
+        copies = math.prod(ctx.mesh_shape[a] for a in kept)
+        steps.append(Step(group[0] if group else rest[s.axis], s.src, s.dst, s.collective, s.bytes_per_rank, group,
+                          insert(s.target, kept, held) if s.target else (), s.bytes_all * copies,
+                          kept if s.target else ()))
+    return tuple(steps)
 
 
 def _exchange_routes(ctx: "_Context", src: Layout, dst: Layout, paths: dict) -> list[tuple[Step, ...]]:
@@ -350,11 +387,22 @@ class _Context:
         if step.free:
             return [0] * len(coords)
         if step.target:
-            return [e * self.itemsize for e in plan_exchange(self.shape, self.mesh_shape, layout, step.target).sends]
+            return [e * self.itemsize for e in self.schedule_sends(layout, step)]
         n = math.prod(self.mesh_shape[a] for a in step.axes)
         after = step.apply(layout)
         return [self._sent(step.collective, n, _rank_block_shape(self.shape, self.mesh_shape, layout, c),
                            _rank_block_shape(self.shape, self.mesh_shape, after, c)) * self.itemsize for c in coords]
+
+    def schedule_sends(self, layout: Layout, step: Step) -> list[int]:
+        """Elements each rank sends in an exchange; with kept axes, the schedule over the other
+        axes, every slice sending the same."""
+        kept = step.kept
+        mesh_shape = drop(self.mesh_shape, kept)
+        sends = plan_exchange(self.shape, mesh_shape, drop(layout, kept), drop(step.target, kept)).sends
+        if not kept:
+            return list(sends)
+        index = {c: i for i, c in enumerate(coordinates(mesh_shape))}
+        return [sends[index[drop(c, kept)]] for c in coordinates(self.mesh_shape)]
 
     # ------------------------------------------------------------------ moves
     def candidates(self) -> list[Placement]:
