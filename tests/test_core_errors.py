@@ -322,9 +322,10 @@ def test_redistribute_moves_between_meshes_over_the_same_ranks(dist):
         for name, (on_mesh, placements, values_ok, counts, block_ok) in rank_out.items():
             assert on_mesh and values_ok and block_ok, (name, placements)
         assert rank_out["flatten"][3] == {} and rank_out["rename"][3] == {}  # every rank keeps its block
-        # to [Replicate(), Shard(0)] by one exchange (only the two ranks whose rows differ
-        # receive: half of what an all_gather sends), then relabel
-        assert rank_out["reorder"][3] == {"all_to_all": 1}
+        # to [Replicate(), Shard(0)] by one all_gather, then relabel: an exchange would send half
+        # the bytes, but on a block this small the cpu profile predicts the native collective
+        # faster (shardwise.cost; README, "The redistribute planner")
+        assert rank_out["reorder"][3] == {"all_gather": 1}
         assert rank_out["flatten_uneven"][3] == {"all_gather": 2}  # no cheaper layout has the flat blocks
         assert rank_out["to_partial"][3] == {"all_gather": 1}
         assert rank_out["from_partial"][3] == {"all_reduce": 1}

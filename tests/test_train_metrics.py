@@ -50,4 +50,4 @@ def test_fsdp_ranks_each_hold_a_quarter_of_the_one_process_state(dist):
 
 
 def test_format_bytes_keeps_small_figures_readable():
-    assert [format_bytes(n) for n in (96 * 1024, 5 * 2**20 + 2**19, 3 * 2**30)] == ["96 KiB", "5.5 MiB", "3.00 GiB"]
+    assert [format_bytes(n) for n in (96 * 1024, 5 * 2**20 + 2**19, 3 * 2**30)] == ["96.0 KiB", "5.5 MiB", "3.00 GiB"]

@@ -13,7 +13,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost", "classify", "render_bytes"]
+from shardwise.units import format_bytes
+
+__all__ = ["CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost", "classify"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,19 +31,11 @@ class CollectiveCall:
     def describe(self) -> str:
         """E.g. ``all_reduce #12 over mesh axis 'dp' (ranks [0, 1], 16 B)``."""
         where = f"mesh axis {self.axis!r}" if self.axis is not None else "all ranks"
-        return f"{self.kind} #{self.seq} over {where} (ranks {list(self.group_ranks)}, {render_bytes(self.nbytes)})"
+        return f"{self.kind} #{self.seq} over {where} (ranks {list(self.group_ranks)}, {format_bytes(self.nbytes)})"
 
     def key(self) -> tuple:
         """What two ranks must agree on to be in the same collective."""
         return (self.kind, self.seq, self.group_ranks)
-
-
-def render_bytes(nbytes: int) -> str:
-    """``16 B``, ``1.5 KiB``, ``2.0 GiB``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 class CollectiveError(RuntimeError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Iterable
 
+from shardwise.units import format_bytes
 from shardwise.debug.module_tracker import GLOBAL, ModuleInfo, Phase
 
 if TYPE_CHECKING:
@@ -27,14 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["render_table", "format_bytes"]
 
 INDENT = "  "
-
-
-def format_bytes(nbytes: int) -> str:
-    """``96 B``, ``1.5 KiB``, ``2.0 MiB``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def render_table(records: list["CommRecord"], modules: dict[str, ModuleInfo], noise_level: int) -> str:

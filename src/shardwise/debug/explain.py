@@ -46,11 +46,12 @@ from shardwise import comm
 from shardwise.compile.opaque import never_compiled
 from shardwise.debug.module_tracker import GLOBAL, ModuleTracker, current_phase
 from shardwise.dispatch import dispatcher, propagation, registry, walk
-from shardwise.dispatch.strategy import OpSchema, changed_axes, input_cost, replicate_all
+from shardwise.dispatch.strategy import OpSchema, changed_axes, input_bytes, input_cost, replicate_all
 from shardwise.tensor import dtensor
 from shardwise.tensor.dtensor import DTensor
 from shardwise.core.mesh import DeviceMesh
 from shardwise.core.spec import DTensorSpec, render_layout
+from shardwise.units import format_bytes
 
 __all__ = ["explain", "Explanation", "OpEntry", "Strategy", "CollectiveEntry"]
 
@@ -67,20 +68,25 @@ class CollectiveEntry:
     phase: str = "forward"
 
     def describe(self) -> str:
-        return f"{self.kind} on {self.axis}: {_size(self.bytes)}"
+        return f"{self.kind} on {self.axis}: {format_bytes(self.bytes)}"
 
 
 @dataclass
 class Strategy:
     """One candidate layout of an op: where its DTensor inputs must be, where its outputs land,
-    and the bytes the busiest rank sends to move the inputs there."""
+    the bytes the busiest rank sends to move the inputs there, and the predicted time of that
+    move (``shardwise.cost``, the active profile): what the dispatcher chooses by."""
 
     inputs: list[str]
     outputs: list[str]
     cost_bytes: float
+    cost_s: float = 0.0
 
     def describe(self) -> str:
-        cost = "impossible" if self.cost_bytes == float("inf") else _size(int(self.cost_bytes))
+        if self.cost_bytes == float("inf"):
+            cost = "impossible"
+        else:
+            cost = f"{format_bytes(int(self.cost_bytes))}, {self.cost_s * 1e6:.0f} us predicted"
         return f"({', '.join(self.inputs)}) -> ({', '.join(self.outputs)}) [{cost}]"
 
 
@@ -310,7 +316,7 @@ def _candidates(func: Any, args: tuple, kwargs: dict, specs: list, num_outputs: 
 
 
 def _cost(specs: list, targets: tuple) -> tuple[float, int]:
-    """What ``strategy.choose`` ranks by: bytes moved, then mesh axes changed."""
+    """What ``strategy.choose`` ranks by: predicted seconds, then mesh axes changed."""
     return (sum(input_cost(s, t) for s, t in zip(specs, targets)), sum(changed_axes(s, t) for s, t in zip(specs, targets)))
 
 
@@ -318,16 +324,11 @@ def _as_strategy(specs: list, inputs: tuple, out_specs: list, out_placements: li
     ins = [render_layout(s.mesh, p, s.tensor_meta) for s, p in zip(specs, inputs)]
     outs = [render_layout(o.mesh, p, o.tensor_meta) for o, p in zip(out_specs, out_placements)
             if isinstance(o, DTensorSpec) and p is not None]
-    cost = sum(input_cost(s, p) for s, p in zip(specs, inputs))
-    return Strategy(ins, outs, cost)
+    return Strategy(ins, outs, sum(input_bytes(s, p) for s, p in zip(specs, inputs)),
+                    sum(input_cost(s, p) for s, p in zip(specs, inputs)))
 
 
 # ---------------------------------------------------------------------- rendering
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def _rich_available() -> bool:
@@ -373,7 +374,7 @@ def _item_lines(item: Any) -> list[str]:
 
 def _header(ex: Explanation) -> str:
     n = len(ex.all_collectives())
-    return f"explain (rank {ex.rank}): {len(ex.ops)} ops, {n} collectives, {_size(ex.bytes_sent)} sent"
+    return f"explain (rank {ex.rank}): {len(ex.ops)} ops, {n} collectives, {format_bytes(ex.bytes_sent)} sent"
 
 
 def _render_plain(ex: Explanation) -> str:

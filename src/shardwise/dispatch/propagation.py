@@ -209,7 +209,7 @@ def _mutated_layouts(op: Any, schema: OpSchema) -> str:
 
 
 def _write_back_cost(schema: OpSchema, candidate: Candidate) -> float:
-    """Bytes to bring the op's result (self's output layout) back into self's layout."""
+    """Predicted seconds to bring the op's result (self's output layout) back into self's layout."""
     spec = schema.specs[0]
     return input_cost(spec.with_placements(candidate.outputs[0]), spec.placements)
 

@@ -4,14 +4,16 @@ An op's strategy lists candidate layouts: for each DTensor input the placements 
 and for each tensor output the placements it comes out in. Most ops treat mesh axes
 independently, so they list candidates for ONE axis (``AxisCandidate``: output placements then
 input placements) and ``expand`` builds every N-D combination. ``choose`` scores each candidate
-by the bytes needed to move the inputs there (the redistribute planner's cost) and keeps the
-cheapest; ties go to the earlier candidate, so every rank picks the same one.
+by the predicted time of moving the inputs there (the redistribute plans' ``predicted_s``,
+priced by ``shardwise.cost`` on the active hardware profile) and keeps the fastest; ties go to
+the earlier candidate, so every rank picks the same one. Scoring runs once per op signature,
+on the dispatcher's cache miss.
 
 Looking past the op: a Partial output is a reduction left for later, and later is rarely
 cheaper (every consumer that needs the value pays it again on its own copy). ``pending_reduction``
 charges each candidate the least its Partial outputs will cost to reduce (a reduce_scatter
 of the output) on the axes where an input is already Partial, so that an op whose Partial
-input can be reduced now for no more bytes does so, instead of handing the pending sum on to
+input can be reduced now for no more time does so, instead of handing the pending sum on to
 consumers that would each reduce it again.
 """
 
@@ -21,14 +23,16 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import torch  # noqa: F401  (the look-ahead scoring being added uses it)
+import torch
 
+from shardwise.cost import Collective, Link, active_hardware, axis_links, collective_time
 from shardwise.dispatch import walk
 from shardwise.core.placement import Placement, Replicate, check_placements
 from shardwise.redistribute.execute import plan_for
 from shardwise.core.spec import DTensorSpec
 
-__all__ = ["OpSchema", "Candidate", "AxisCandidate", "expand", "choose", "replicate_all", "pending_reduction", "partial_axes"]
+__all__ = ["OpSchema", "Candidate", "AxisCandidate", "expand", "choose", "replicate_all", "pending_reduction", "partial_axes",
+           "input_cost", "input_bytes"]
 
 # One mesh axis: (output placements..., input placements...); None = not a DTensor / any.
 AxisCandidate = tuple
@@ -99,24 +103,41 @@ def replicate_all(schema: OpSchema, num_outputs: int) -> Candidate:
 
 
 def input_cost(spec: DTensorSpec, target: tuple[Placement, ...] | None) -> float:
-    """Bytes the busiest rank sends to bring ``spec`` to ``target`` (inf if not a valid layout)."""
+    """Predicted seconds to bring ``spec`` to ``target`` (inf if not a valid layout)."""
+    moved = _moved(spec, target)
+    return 0.0 if moved is None else float("inf") if moved is _INVALID else plan_for(spec, moved).predicted_s
+
+
+def input_bytes(spec: DTensorSpec, target: tuple[Placement, ...] | None) -> float:
+    """Bytes the busiest rank sends to bring ``spec`` to ``target`` (inf if not a valid
+    layout): what ``debug.explain`` prints beside the time."""
+    moved = _moved(spec, target)
+    return 0 if moved is None else float("inf") if moved is _INVALID else plan_for(spec, moved).busiest_bytes
+
+
+_INVALID = object()
+
+
+def _moved(spec: DTensorSpec, target: tuple[Placement, ...] | None) -> Any:
+    """``spec`` laid out as ``target``; None when nothing moves, ``_INVALID`` when ``target``
+    is not a layout of it."""
     if target is None or target == spec.placements:
-        return 0
+        return None
     try:
         check_placements(target)
-        moved = spec.with_placements(target)
+        return spec.with_placements(target)
     except (TypeError, ValueError, IndexError):
-        return float("inf")
-    return plan_for(spec, moved).bytes_per_rank
+        return _INVALID
 
 
 def choose(schema: OpSchema, candidates: Sequence[Candidate],
            extra: Callable[[Candidate], float] | None = None) -> Candidate | None:
-    """The candidate whose inputs are cheapest to reach; None if none is valid.
+    """The candidate whose inputs are fastest to reach; None if none is valid.
 
-    Cost is bytes moved (plus ``extra(candidate)`` bytes, when given: what happens after the
-    op), then the number of mesh axes whose placement changes (a free local chunk still beats
-    nothing only if it is needed), then the candidate's position in the list.
+    Cost is the predicted seconds of the inputs' redistributions (plus ``extra(candidate)``
+    seconds, when given: what happens after the op), then the number of mesh axes whose
+    placement changes (a free local chunk still beats nothing only if it is needed), then the
+    candidate's position in the list.
     """
     best, best_cost = None, (float("inf"), 0)
     for candidate in candidates:
@@ -125,12 +146,12 @@ def choose(schema: OpSchema, candidates: Sequence[Candidate],
                 f"strategy for {schema.op} returned {len(candidate.inputs)} input layouts for "
                 f"{len(schema.specs)} DTensor inputs"
             )
-        moved = sum(input_cost(s, t) for s, t in zip(schema.specs, candidate.inputs))
+        seconds = sum(input_cost(s, t) for s, t in zip(schema.specs, candidate.inputs))
         if extra is not None:
-            moved += extra(candidate)
+            seconds += extra(candidate)
         changes = sum(changed_axes(s, t) for s, t in zip(schema.specs, candidate.inputs))
-        if (moved, changes) < best_cost:
-            best, best_cost = candidate, (moved, changes)
+        if (seconds, changes) < best_cost:
+            best, best_cost = candidate, (seconds, changes)
     return best
 
 
@@ -143,28 +164,33 @@ def changed_axes(spec: DTensorSpec, target: tuple[Placement, ...] | None) -> int
 
 def pending_reduction(candidate: Candidate, outputs: Sequence[Any], mesh_shape: Sequence[int],
                       owed: Sequence[bool] | None = None) -> float:
-    """Bytes the busiest rank will send to reduce the candidate's Partial outputs, at least.
+    """Predicted seconds to reduce the candidate's Partial outputs, at least.
 
     For each tensor output (``outputs``: the op's outputs on meta tensors of the global shapes)
-    whose placements hold Partial axes of total size ``n``: its local block's bytes times
-    ``(n - 1) / n``, what a reduce_scatter over those axes sends, the cheapest way to make the
-    value whole somewhere. ``owed[axis]``: only Partial axes where an input is already Partial
-    count (the reduction is owed either way: now or after the op); a Partial the op makes
-    from values (a matmul over a sharded inner dim, a sum over a sharded dim) is the op's
-    communication-free form and stays free. None counts every axis.
+    whose placements hold Partial axes of total size ``n``: a reduce_scatter over those axes of
+    its local block (``(n - 1) / n`` of its bytes sent by each rank), the cheapest way to make
+    the value whole somewhere, priced by ``shardwise.cost``. ``owed[axis]``: only Partial axes
+    where an input is already Partial count (the reduction is owed either way: now or after
+    the op); a Partial the op makes from values (a matmul over a sharded inner dim, a sum over
+    a sharded dim) is the op's communication-free form and stays free. None counts every axis.
     """
+    hardware = active_hardware()
+    links = axis_links(mesh_shape, hardware.gpus_per_node)
     total = 0.0
     for placements, out in zip(candidate.outputs, outputs):
         if placements is None or not isinstance(out, torch.Tensor):
             continue
         partial = sharded = 1
+        link = Link.INTRA_NODE
         for axis, (placement, size) in enumerate(zip(placements, mesh_shape)):
             if placement.is_partial() and (owed is None or owed[axis]):
                 partial *= size
+                link = Link.INTER_NODE if links[axis] is Link.INTER_NODE else link
             elif placement.is_shard():
                 sharded *= size
         if partial > 1:
-            total += out.numel() * out.element_size() / sharded * (partial - 1) / partial
+            sent = out.numel() * out.element_size() / sharded * (partial - 1) / partial
+            total += collective_time(Collective.REDUCE_SCATTER, int(sent), partial, link, hardware)
     return total
 
 

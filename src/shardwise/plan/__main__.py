@@ -49,8 +49,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def simulated_cost(job: JobConfig, n_layers: int) -> LayoutCost:
-    """The busiest rank's peak memory and bytes per axis, extrapolated from simulations with 1 and 2
-    blocks per pipeline stage (the job carries those shapes itself: ``JobConfig.shapes``)."""
+    """The busiest rank's peak memory, bytes and collectives per axis, extrapolated from
+    simulations with 1 and 2 blocks per pipeline stage (the job carries those shapes itself:
+    ``JobConfig.shapes``)."""
     from shardwise.simulate import simulate_job
 
     family = job.model_family()
@@ -65,7 +66,11 @@ def simulated_cost(job: JobConfig, n_layers: int) -> LayoutCost:
     peak = one.peak_memory_bytes + more * (two.peak_memory_bytes - one.peak_memory_bytes)
     axes = {a: one.comm_bytes_by_axis.get(a, 0) + more * (two.comm_bytes_by_axis.get(a, 0) - one.comm_bytes_by_axis.get(a, 0))
             for a in set(one.comm_bytes_by_axis) | set(two.comm_bytes_by_axis)}
-    return LayoutCost(peak, axes)
+    calls = {a: {k: one.collectives_by_axis.get(a, {}).get(k, 0)
+                 + more * (two.collectives_by_axis.get(a, {}).get(k, 0) - one.collectives_by_axis.get(a, {}).get(k, 0))
+                 for k in set(one.collectives_by_axis.get(a, {})) | set(two.collectives_by_axis.get(a, {}))}
+             for a in set(one.collectives_by_axis) | set(two.collectives_by_axis)}
+    return LayoutCost(peak, axes, calls)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,10 +6,11 @@ rank, from the simulation) and a ``Hardware`` profile:
 * compute time = 6 x parameters x tokens per step / (world x peak FLOP/s x ``MFU``), the
   usual dense-transformer estimate (forward 2, backward 4 FLOPs per parameter per token), plus
   the attention scores (12 x layers x dim x seq_len per token);
-* communication time, per mesh axis = bytes sent on it / bandwidth of the link it crosses: an
-  axis whose ranks all sit in one node (the axis and the ones inside it span at most
-  ``gpus_per_node`` ranks; axes are laid out outermost first, tp innermost) uses the intra-node
-  bandwidth, any other the inter-node one;
+* communication time, per mesh axis: each collective the simulation issued on it priced by
+  ``shardwise.cost.collective_time`` (a latency per collective and per algorithm step, plus
+  the bytes over the bandwidth of the link the axis crosses): an axis whose ranks all sit in
+  one node (the axis and the ones inside it span at most ``gpus_per_node`` ranks; axes are
+  laid out outermost first, tp innermost) uses the intra-node link, any other the inter-node one;
 * step time = max(compute, data-parallel communication) + the other axes' communication: the
   data-parallel axes' gathers and reductions overlap with compute (FSDP prefetch, bucketed
   reductions), tensor- and context-parallel ones sit on the critical path between ops, and so
@@ -22,10 +23,12 @@ A layout whose peak memory exceeds the device's is dropped with that reason.
 
 from __future__ import annotations
 
-import json
-import os
+import math
 from dataclasses import dataclass, field
 from typing import Iterator
+
+from shardwise.cost import Collective, Hardware, Link, latency, load_hardware, transfer_time
+from shardwise.units import format_bytes
 
 __all__ = ["Hardware", "load_hardware", "Candidate", "candidates", "LayoutCost", "Plan", "price", "rank_plans",
            "MFU", "OVERLAPPED_AXES"]
@@ -33,25 +36,8 @@ __all__ = ["Hardware", "load_hardware", "Candidate", "candidates", "LayoutCost",
 MFU = 0.5  # fraction of peak FLOP/s a step's compute is assumed to reach
 OVERLAPPED_AXES = ("dp_shard", "dp_replicate", "dp_shard_cp", "dp", "dp_cp")
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first, as ParallelDims
-
-
-@dataclass(frozen=True)
-class Hardware:
-    name: str
-    memory_bytes: float
-    peak_flops: float
-    intra_node_bw: float
-    inter_node_bw: float
-
-
-def load_hardware(name: str, path: str | None = None) -> Hardware:
-    """The named profile from the package's hardware.json, or from ``path`` (same form)."""
-    path = path or os.path.join(os.path.dirname(__file__), "hardware.json")
-    with open(path) as f:
-        profiles = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
-    if name not in profiles:
-        raise ValueError(f"unknown hardware {name!r} in {path}; known: {', '.join(profiles)}")
-    return Hardware(name, **profiles[name])
+FLATTENED_AXES = {"dp_shard_cp": ("dp_shard", "cp"), "dp": ("dp_replicate", "dp_shard"),
+                  "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
 
 @dataclass(frozen=True)
@@ -116,6 +102,7 @@ class LayoutCost:
 
     peak_memory_bytes: int
     comm_bytes_by_axis: dict[str, int]
+    collectives_by_axis: dict[str, dict[str, int]] = field(default_factory=dict)  # axis -> kind -> count
 
 
 @dataclass
@@ -129,25 +116,40 @@ class Plan:
     placement: dict[str, str] = field(default_factory=dict)
 
 
-def axis_links(c: Candidate, gpus_per_node: int) -> dict[str, str]:
-    """"intra" or "inter" per mesh axis (flattened names map to their outermost part)."""
+def axis_links(c: Candidate, gpus_per_node: int) -> dict[str, Link]:
+    """The link of each mesh axis (flattened names map to their outermost part)."""
     sizes = {a: getattr(c, a) for a in AXIS_ORDER}
     links, inner = {}, 1
     for a in reversed(AXIS_ORDER):
         inner *= sizes[a]
-        links[a] = "intra" if inner <= gpus_per_node else "inter"
+        links[a] = Link.INTRA_NODE if inner <= gpus_per_node else Link.INTER_NODE
     links["dp_shard_cp"] = links["dp_shard"] if c.dp_shard > 1 else links["cp"]
     links["dp"] = links["dp_replicate"] if c.dp_replicate > 1 else links["dp_shard"]
     links["dp_cp"] = links["dp_replicate"]
     return links
 
 
+def axis_size(c: Candidate, axis: str) -> int:
+    """Ranks in one group of ``axis`` (a flattened axis: the product of its parts)."""
+    return math.prod(getattr(c, a) for a in FLATTENED_AXES.get(axis, (axis,)))
+
+
+def axis_time(c: Candidate, axis: str, cost: LayoutCost, link: Link, hw: Hardware) -> float:
+    """Seconds of communication on ``axis``: every collective's latency, and the bytes the
+    busiest rank sent on it over the link (``shardwise.cost.collective_time``, summed: its
+    bandwidth term is linear, so the step's bytes are priced at once)."""
+    n = axis_size(c, axis)
+    calls = cost.collectives_by_axis.get(axis, {})
+    fixed = sum(count * latency(Collective.named(kind), n, link, hw) for kind, count in calls.items())
+    return fixed + transfer_time(cost.comm_bytes_by_axis.get(axis, 0), link, hw)
+
+
 def price(c: Candidate, cost: LayoutCost, hw: Hardware, gpus_per_node: int, flops_per_step: float,
           world: int) -> Plan:
     """Step time of one layout on ``hw`` (module docstring), dropped if it does not fit."""
     links = axis_links(c, gpus_per_node)
-    comm = {a: b / (hw.intra_node_bw if links.get(a, "inter") == "intra" else hw.inter_node_bw)
-            for a, b in cost.comm_bytes_by_axis.items()}
+    axes = set(cost.comm_bytes_by_axis) | set(cost.collectives_by_axis)
+    comm = {a: axis_time(c, a, cost, links.get(a, Link.INTER_NODE), hw) for a in sorted(axes)}
     compute = flops_per_step / (world * hw.peak_flops * MFU)
     compute *= (c.pp + c.pp - 1) / c.pp  # the 1F1B bubble, microbatches = pp
     overlapped = sum(t for a, t in comm.items() if a in OVERLAPPED_AXES)
@@ -155,8 +157,8 @@ def price(c: Candidate, cost: LayoutCost, hw: Hardware, gpus_per_node: int, flop
     step = max(compute, overlapped) + exposed
     dropped = None
     if cost.peak_memory_bytes > hw.memory_bytes:
-        dropped = f"needs {cost.peak_memory_bytes / 2**30:.1f} GiB per GPU, {hw.name} has {hw.memory_bytes / 2**30:.0f} GiB"
-    return Plan(c, cost, compute, comm, step, dropped, {a: links[a] for a in comm})
+        dropped = f"needs {format_bytes(cost.peak_memory_bytes)} per GPU, {hw.name} has {format_bytes(hw.memory_bytes)}"
+    return Plan(c, cost, compute, comm, step, dropped, {a: links.get(a, Link.INTER_NODE).value for a in comm})
 
 
 def rank_plans(plans: list[Plan]) -> list[Plan]:

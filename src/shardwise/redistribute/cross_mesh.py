@@ -8,7 +8,7 @@ block each rank is said to hold. The move is planned (pure: no process group) as
    the block the target layout gives that rank on the target mesh;
 2. relabel: the same local tensor, now read with the target mesh's spec (no data moves).
 
-Among the layouts that qualify the cheapest is chosen (the planner's bytes). All-Replicate
+Among the layouts that qualify the fastest is chosen (the planner's predicted time). All-Replicate
 always qualifies in a weaker sense: every rank holds everything and takes its target block by a
 local chunk, so it is the fallback (one all_gather / all_reduce per sharded / partial axis). A
 target Partial is reached from its Replicate version by a free local partition.
@@ -43,7 +43,7 @@ class CrossMeshPlan:
 
     via: Layout
     landing: Layout
-    bytes_per_rank: int
+    predicted_s: float
 
 
 def mesh_ranks(mesh: DeviceMesh) -> list[int]:
@@ -80,7 +80,7 @@ def plan_cross_mesh(src: DTensorSpec, dst: DTensorSpec) -> CrossMeshPlan:
     for via in _layouts(src.mesh.ndim, len(dst.shape)):
         if _blocks(src.shape, src.mesh, via) == want:
             cost = _cost(src, via)
-            if cost <= best.bytes_per_rank:  # equal cost: the relabel needs no local chunk after
+            if cost <= best.predicted_s:  # equal cost: the relabel needs no local chunk after
                 best = CrossMeshPlan(via, target, cost)
     return best
 
@@ -98,10 +98,10 @@ def _blocks(shape: torch.Size, mesh: DeviceMesh, placements: Layout) -> dict[int
             for rank, coordinate in zip(mesh.flat_ranks(), coordinates)}
 
 
-def _cost(src: DTensorSpec, via: Layout) -> int:
+def _cost(src: DTensorSpec, via: Layout) -> float:
     meta = src.tensor_meta
     itemsize = torch.empty((), dtype=meta.dtype).element_size()
     try:
-        return plan_redistribute(meta.shape, itemsize, src.mesh.shape, src.placements, via).bytes_per_rank
+        return plan_redistribute(meta.shape, itemsize, src.mesh.shape, src.placements, via).predicted_s
     except ValueError:
-        return 1 << 62
+        return float("inf")

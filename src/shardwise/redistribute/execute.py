@@ -19,11 +19,10 @@ from shardwise.tensor import agreement as blocks
 from shardwise.core import mesh as mesh_module
 from shardwise.core.mesh import DeviceMesh
 from shardwise.core.placement import Placement, Replicate, Shard
-from shardwise.redistribute.bound import coordinates, intersect, needs_value, volume
+from shardwise.redistribute.bound import coordinates, intersect, needs_value
 from shardwise.redistribute.cross_mesh import plan_cross_mesh
 from shardwise.redistribute.exchange import plan_exchange
 from shardwise.redistribute.pending import drop, lift_transfers
-from shardwise.redistribute.reduce_forward import plan_reduce_forward
 from shardwise.redistribute.planner import Plan, Step, StepKind, plan_redistribute
 from shardwise.core.spec import DTensorSpec, local_shape_and_offset
 
@@ -152,8 +151,6 @@ def _lengths(spec: DTensorSpec, layout: tuple[Placement, ...], axis: int, dim: i
 def _run_step(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple) -> torch.Tensor:
     mesh, axis, cur, new = spec.mesh, step.axis, step.src, step.dst
     kind = step.collective
-    if step.rounds:  # reduce at consumers, then forward
-        return _run_reduce_forward(local, step, spec, layout)
     if step.target:  # an exchange (or a relayout: one that moves nothing)
         return _run_exchange(local, step, spec, layout)
     if kind is StepKind.RELABEL:
@@ -197,13 +194,13 @@ def _run_exchange(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tu
     own = intersect((src_offset, tuple(local.shape)), (dst_offset, dst_shape))
     reducing = any(p.is_partial() for p in sub_layout)  # Partial(sum): add every contribution
     if not needs_value(sub_target, drop(coords[me], kept)):  # it still sends what it holds
-        out, own = _identity(out, sub_target), None
+        out, own = _identity(out, step.target), None
     if reducing:
         out.zero_()
     if own is not None:
         _region(out, dst_offset, own).copy_(_region(local, src_offset, own))
     send_counts, recv_counts = [0] * size, [0] * size
-    pieces = [[] for _ in range(size)]
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(size)]
     for t in in_group:
         if t.sender == me:
             pieces[peer(t.receiver)].append(_region(local, src_offset, t.box).reshape(-1)[t.start:t.stop])
@@ -245,92 +242,6 @@ class _Group:
         """The transfers within this rank's copy of the group (same coordinate off ``axes``)."""
         here = self.coords[self.me]
         return [t for t in transfers if all(self.coords[t.sender][a] == here[a] for a in self.others)]
-
-    def exchange(self, local: torch.Tensor, transfers: list, pack) -> tuple[torch.Tensor, list[int]] | None:
-        """One all_to_all of ``transfers`` (this rank's copy): ``pack(t)`` gives the run a
-        transfer this rank sends. Returns what arrived and the per-peer counts, or None when no
-        rank of the group sends anything (every rank of it skips together)."""
-        if sum(t.stop - t.start for t in transfers) == 0:
-            return None
-        send_counts, recv_counts = [0] * self.size, [0] * self.size
-        pieces: list[list[torch.Tensor]] = [[] for _ in range(self.size)]
-        for t in transfers:
-            if t.sender == self.me:
-                pieces[self.peer(t.receiver)].append(pack(t))
-                send_counts[self.peer(t.receiver)] += t.stop - t.start
-            if t.receiver == self.me:
-                recv_counts[self.peer(t.sender)] += t.stop - t.start
-        send = torch.cat([p for ps in pieces for p in ps]) if any(send_counts) else local.new_empty(0)
-        return comm.all_to_all_counts(send, send_counts, recv_counts, self.mesh, self.axis), recv_counts
-
-    def arrived(self, transfers: list, recv: torch.Tensor, recv_counts: list[int]) -> list:
-        """(transfer, its run) for every transfer to this rank, cut from ``recv`` (peers in group
-        order, each peer's transfers in schedule order)."""
-        starts = [sum(recv_counts[:p]) for p in range(self.size)]
-        runs = []
-        for t in transfers:
-            if t.receiver == self.me:
-                p = self.peer(t.sender)
-                runs.append((t, recv[starts[p]:starts[p] + t.stop - t.start]))
-                starts[p] += t.stop - t.start
-        return runs
-
-
-def _run_reduce_forward(local: torch.Tensor, step: Step, spec: DTensorSpec, layout: tuple) -> torch.Tensor:
-    """Round 1: contributions go to each run's first owner, which reduces them with its own;
-    round 2: first owners send the values to the other ranks that need them (``reduce_forward``)."""
-    shape, mesh_shape = tuple(spec.shape), tuple(spec.mesh.shape)
-    kept = step.kept  # axes whose reduction stays pending: the schedule runs in each slice
-    sub_target = drop(step.target, kept)
-    rf = plan_reduce_forward(shape, drop(mesh_shape, kept), drop(layout, kept), sub_target)
-    group = _Group(spec.mesh, step.axes)
-    me = group.me
-    here = group.coords[me]
-    src_offset = local_shape_and_offset(shape, mesh_shape, here, layout)[1]
-    dst_shape, dst_offset = local_shape_and_offset(shape, mesh_shape, here, step.target)
-    out = local.new_empty(dst_shape)
-    wants_value = needs_value(sub_target, drop(here, kept))
-    if not wants_value:
-        out = _identity(out, sub_target)
-
-    flat_cells: dict = {}  # box -> this rank's contribution to it, flat (one copy per cell)
-
-    def cell(box) -> torch.Tensor:
-        if box not in flat_cells:
-            flat_cells[box] = _region(local, src_offset, box).reshape(-1)
-        return flat_cells[box]
-
-    def held(t) -> torch.Tensor:  # this rank's contribution to the run of ``t``
-        return cell(t.box)[t.start:t.stop]
-
-    first = group.mine(lift_transfers(rf.first, mesh_shape, kept, here))
-    got = group.exchange(local, first, held)
-    gathered: dict = {}  # (box, start) -> [stop, contributions]
-    for t in first:
-        if t.receiver == me:
-            gathered.setdefault((t.box, t.start), [t.stop, []])
-    if got is not None:
-        for t, run in group.arrived(first, *got):
-            gathered[(t.box, t.start)][1].append(run)
-    values: dict = {}  # (box, start) -> reduced run, at its first owner
-    for (box, start), (stop, runs) in gathered.items():
-        own = [] if len(runs) == rf.n else [cell(box)[start:stop]]
-        values[(box, start)] = comm.reduce_stacked(torch.stack(own + runs), rf.op, rf.n)
-    second = group.mine(lift_transfers(rf.second, mesh_shape, kept, here))
-    got = group.exchange(local, second, lambda t: values[(t.box, t.start)])
-    if got is not None:
-        for t, run in group.arrived(second, *got):
-            values[(t.box, t.start)] = run
-    if wants_value:
-        flats: dict = {}
-        for (box, start), run in values.items():
-            if volume(intersect(box, (dst_offset, dst_shape))) != volume(box):
-                continue  # a first owner outside the box's needers: it only forwarded the value
-            flat = flats.setdefault(box, out.new_empty(volume(box)))
-            flat[start:start + run.numel()] = run
-        for box, flat in flats.items():
-            _region(out, dst_offset, box).copy_(flat.view(box[1]))
-    return out
 
 
 def _place(out, dst_offset, recv, incoming, peer, recv_counts, add: bool) -> None:

@@ -8,50 +8,32 @@ A layout is one placement per mesh axis. A step changes ONE axis with ONE collec
 
 Axes cut the tensor in order (axis 0 first), so a step on axis i that gathers or cuts tensor
 dim d is only legal when no later axis also cuts d: otherwise this rank's block is a piece of
-a piece and the step would stitch the wrong rows together. The planner searches the small
-graph of layouts (Dijkstra) for the path with the fewest bytes sent by the busiest rank, ties
-broken by fewer steps and then by a fixed order, so every rank derives the same plan.
+a piece and the step would stitch the wrong rows together.
 
-One step may change several axes: Partial on axes {a, b, ...} -> Replicate by ONE all_reduce
-over their flattened group, when the caller says that group exists (``flattened``). Two
-all_reduces over 2 ranks each send twice the data of one over 4; the merged step wins.
+Plans are chosen by predicted time (``shardwise.cost.collective_time``: a latency per
+collective and per algorithm step plus the busiest rank's bytes over the link of the axis), on
+the active hardware profile (``shardwise.cost.active_hardware``: ``cpu`` under gloo, settable
+with ``shardwise.cost.use_hardware``). Two kinds of candidate are weighed:
 
-Axis by axis, a block that sits on a rank of another axis travels twice, and ranks that hold
-their target block still send. So the planner also weighs an *exchange* (``exchange.py``):
-one all_to_all, with per-peer counts, over the flattened group of the axes involved, that
-sends every rank exactly what it lacks. It starts from the source, from a layout the search
-reaches by reducing the source's Partial axes, or (a Partial(sum) source) it reduces on the way
-(a reducing exchange), possibly into a fully sharded refinement of the target first. The plan
-sent is the one with the fewest bytes over all ranks, then the fewest for the busiest rank
-(``Plan.sends`` counts every rank), then the axis-by-axis one.
+* the axis-by-axis path: Dijkstra over the small graph of layouts, each edge priced by its
+  predicted time (ties: fewer bytes, fewer steps, then a fixed order, so every rank derives
+  the same plan). Partial on several axes whose flattened group exists (``flattened``) may be
+  reduced by ONE all_reduce over that group: one collective instead of one per axis;
+* exchange routes (``exchange.py``): one all_to_all with per-peer counts over the flattened
+  group of the axes involved, sending every rank exactly what it lacks (axis by axis, a block
+  on a rank of another axis travels twice). It starts from the source, from a layout the
+  search reaches by reducing the source's Partial axes, or (a Partial(sum) source) reduces on
+  the way, possibly into a fully sharded refinement of the target first.
 
-A Partial source may also be resolved in one *reduce-forward* step (``reduce_forward.py``):
-each element's contributions reach a rank that needs it, which reduces and forwards the value
-(two all_to_alls). It sends the least total a full reduction can.
+* the plan keeping a reduction pending (``pending.py``): an axis Partial in both layouts with
+  the same op stays unreduced (each rank keeps its own contribution) and the other axes are
+  planned as a transition of their own, run side by side in every slice of the kept axes.
 
-An axis Partial in both layouts with the same op (the only op of either) may also stay
-pending (``pending.py``): each rank keeps its own contribution there, and the other axes are
-planned as a transition of their own, run side by side in every slice of the kept axes
-(exchange and reduce-forward steps carry ``kept``).
-
-Every candidate is scored the same way: bytes sent by all ranks (an all_reduce at each rank's
-own share, ``collective_bytes``), then by the busiest rank, then collectives issued; the lowest
-wins, ties to the axis-by-axis plan, among the candidates that no other candidate makes slower
-(``_choose``): a plan is dropped when another's busiest rank sends at most as much in at most as
-many collectives, one of the two strictly fewer. Such a plan is no faster on any network whose
-time is a latency per collective plus the busiest rank's bytes over a bandwidth, and slower on
-most; the bytes it saves in all would be paid in time. Total first otherwise: the two bounds of
-``bound.py`` cannot always be met together for Partial sources, and the total is what the
-network as a whole carries (what crosses oversubscribed links). Measured with the total first
-and no filter: ``benchmarks/redistribute.py --meshes 2x2x2 --shapes 8x4,7x5 --sample 0`` had
-shardwise's busiest rank above torch's in 19 of 5,360 transitions, and on 1024x1024
-(P, P, R) -> (R, P, R) reduce-forward (24,576 KiB in all, 4,096 KiB busiest, two all_to_alls)
-took 38.7 ms where torch's one all_reduce (32,768 KiB, 4,096 KiB) took 19.8 ms. With the filter
-the same run has it above torch in 1 (a one-round exchange at 112 B against torch's relay of
-96 B over three steps, 448 B in all against 768 B, 0.45x torch's time), never above torch in
-bytes in all, and the total at the bound in 7,821 of 8,064 transitions. With every
-flattened group available the chosen plan meets the total bound on every transition without a
-Partial source, and its busiest rank meets its bound too; bound.py has the Partial figures.
+The fastest predicted plan wins, ties to the axis-by-axis one. README, "The redistribute
+planner", has the ablation that decided which candidates to keep: reduce-forward (two
+all_to_alls reducing each element at a consumer) and the byte lower bound as the planner's
+target were removed, being slower measured on gloo and predicted on h100; ``bound.py`` keeps
+the lower bound as a reported figure.
 """
 
 from __future__ import annotations
@@ -60,17 +42,17 @@ import enum
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
 from shardwise.comm.bytes import all_reduce_sent
 from shardwise.core.placement import Partial, Placement, Replicate, Shard
-from shardwise.redistribute.bound import coordinates, reducing_total
+from shardwise.core.spec import local_shape_and_offset
+from shardwise.cost import Collective, Hardware, Link, active_hardware, axis_links, collective_time
+from shardwise.redistribute.bound import coordinates
 from shardwise.redistribute.exchange import plan_exchange, reducible
 from shardwise.redistribute.pending import drop, insert, kept_axes, rest_axes, sub_groups, widen
-from shardwise.redistribute.reduce_forward import forwardable, plan_reduce_forward
-from shardwise.core.spec import local_shape_and_offset
 
 __all__ = ["StepKind", "Step", "Plan", "plan_redistribute", "plan_candidates"]
 
@@ -99,16 +81,14 @@ Layout = tuple[Placement, ...]
 class Step:
     """Change mesh ``axis`` from ``src`` to ``dst`` with ``collective``.
 
-    ``bytes_per_rank`` is what the busiest rank of the axis sends. ``flattened`` (two or more
-    axes, ``axis`` the first) marks a reduction over all of them at once, by their flattened
+    ``bytes_per_rank`` is what the busiest rank of the axis sends; ``bytes_all`` what every rank
+    of the mesh sends (an exchange's exact figure; 0 for an axis step, priced as the busiest
+    rank's bytes times the ranks). ``flattened`` (two or more
+    axes, ``axis`` the first) marks a collective over all of them at once, by their flattened
     group; otherwise it is empty. An exchange (``target`` set: the whole layout after it)
-    re-lays several axes at once by one all_to_all over ``axes``' (flattened) group. A
-    reduce-forward step (``reduce_forward.py``) is an exchange of two all_to_alls, ``rounds``
-    the busiest rank's bytes in each (a round where no rank sends is skipped); otherwise empty.
-    ``kept``: mesh axes Partial before and after whose reduction stays pending (``pending.py``);
-    an exchange step then runs its schedule over the mesh without them, in every slice at once
-    (each rank keeps its own contribution on them). The executor can run a reduce-forward step
-    that way too, but the planner does not offer one yet (``_kept_plan``).
+    re-lays several axes at once by one all_to_all over ``axes``' (flattened) group. ``kept``:
+    mesh axes Partial before and after whose reduction stays pending (``pending.py``); the
+    exchange then runs its schedule over the mesh without them, in every slice at once.
     """
 
     axis: int
@@ -118,13 +98,18 @@ class Step:
     bytes_per_rank: int
     flattened: tuple[int, ...] = ()
     target: Layout = ()
-    rounds: tuple[int, ...] = ()
+    bytes_all: int = field(default=0, compare=False)
     kept: tuple[int, ...] = ()
 
     @property
     def axes(self) -> tuple[int, ...]:
         """Every mesh axis this step changes."""
         return self.flattened or (self.axis,)
+
+    @property
+    def free(self) -> bool:
+        """Whether the step moves no data between ranks."""
+        return self.collective in _FREE
 
     def apply(self, layout: Layout) -> Layout:
         """``layout`` after this step."""
@@ -139,8 +124,6 @@ class Step:
         where = f"axes {'+'.join(map(str, self.flattened))}" if self.flattened else f"axis {self.axis}"
         if self.kept:
             where += f" (axes {'+'.join(map(str, self.kept))} kept pending)"
-        if self.rounds:
-            return f"{where}: reduce at consumers, then forward, to ({','.join(map(str, self.target))}) by 2 all_to_all ({'+'.join(map(str, self.rounds))} B)"
         if self.target:
             return f"{where}: exchange to ({','.join(map(str, self.target))}) by {self.collective} ({self.bytes_per_rank} B)"
         return f"{where}: {self.src} -> {self.dst} by {self.collective} ({self.bytes_per_rank} B)"
@@ -148,30 +131,23 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """Ordered steps; ``bytes_per_rank`` sums each step's busiest rank (an upper bound on any one
-    rank). ``sends``: bytes each rank sends over the whole plan (row-major mesh coordinates)."""
+    """Ordered steps; ``sends``: bytes each rank sends over the whole plan (row-major mesh
+    coordinates, each collective as ``comm`` counts it); ``predicted_s``: the plan's time on
+    the profile it was planned for (``shardwise.cost``)."""
 
     steps: tuple[Step, ...]
     sends: tuple[int, ...] = ()
-    exact_sends: tuple[int, ...] = ()
+    predicted_s: float = 0.0
 
     @property
     def bytes_per_rank(self) -> int:
+        """Each step's busiest rank, summed (an upper bound on any one rank)."""
         return sum(s.bytes_per_rank for s in self.steps)
 
     @property
     def total_bytes(self) -> int:
         """Bytes sent by all ranks together."""
         return sum(self.sends)
-
-    @property
-    def exact_total_bytes(self) -> int:
-        """Bytes sent by all ranks together with each all_reduce at every rank's own figure
-        (``collective_bytes.all_reduce_sent``: 2 (n - 1) numel in all). ``sends`` and
-        ``total_bytes`` count an all_reduce as ``comm`` does, at its busiest rank's figure on
-        every rank, which exceeds that by a few elements when n does not divide the block;
-        ``redistribute/bound.py``'s total is compared with this one."""
-        return sum(self.exact_sends)
 
     @property
     def busiest_bytes(self) -> int:
@@ -181,28 +157,15 @@ class Plan:
     @property
     def collectives(self) -> list[str]:
         """Names of the collectives that move data, in order (free local steps left out)."""
-        return [kind for kind, _ in self.issued]
+        return [kind.value for kind, _ in self.issued]
 
     @property
     def issued(self) -> list[tuple[StepKind, int]]:
-        """Every collective the plan issues with its busiest rank's bytes, in order (a
-        reduce-forward step's rounds one by one)."""
-        return _issued(self.steps)
+        """Every collective the plan issues with its busiest rank's bytes, in order."""
+        return [(s.collective, s.bytes_per_rank) for s in self.steps if not s.free]
 
     def __str__(self) -> str:
         return "; ".join(map(str, self.steps)) or "no-op"
-
-
-def _issued(steps: Sequence[Step]) -> list[tuple[StepKind, int]]:
-    """``Plan.issued`` of ``steps``: a reduce-forward step's rounds one by one, free steps left
-    out, a round where no rank sends skipped."""
-    out = []
-    for s in steps:
-        if s.rounds:
-            out += [(s.collective, b) for b in s.rounds if b]
-        elif s.collective not in _FREE:
-            out.append((s.collective, s.bytes_per_rank))
-    return out
 
 
 _FREE = (StepKind.LOCAL_CHUNK, StepKind.PARTITION, StepKind.RELABEL, StepKind.RELAYOUT)
@@ -210,6 +173,9 @@ _FREE = (StepKind.LOCAL_CHUNK, StepKind.PARTITION, StepKind.RELABEL, StepKind.RE
 # compares every holder class with every receiver (quadratic in the ranks; seconds per plan at
 # 64 ranks, minutes at 1,024), while axis-by-axis steps are priced in time independent of it.
 EXCHANGE_MAX_RANKS = 32
+# An exchange also packs and unpacks its runs on the host (a schedule of boxes, one copy per
+# run): fitted on gloo over small blocks (README, "The redistribute planner"), one collective latency.
+EXCHANGE_HOST_LATENCIES = 1
 
 
 def plan_redistribute(
@@ -219,8 +185,9 @@ def plan_redistribute(
     src: Sequence[Placement],
     dst: Sequence[Placement],
     flattened: Sequence[Sequence[int]] = (),
+    hardware: Hardware | None = None,
 ) -> Plan:
-    """The cheapest sequence of steps from layout ``src`` to layout ``dst``.
+    """The fastest predicted sequence of steps from layout ``src`` to layout ``dst``.
 
     Args:
         global_shape: the logical tensor's shape (Shard dims already non-negative).
@@ -228,110 +195,92 @@ def plan_redistribute(
         mesh_shape: ranks along each mesh axis.
         src, dst: one placement per axis.
         flattened: sets of axes (ascending) whose flattened process group exists: Partials on
-            those axes may be reduced together by one all_reduce.
+            those axes may be reduced together by one all_reduce, and exchanges may run on it.
+        hardware: the profile to price with (default: ``shardwise.cost.active_hardware()``).
 
     Raises:
         ValueError: no path exists (cannot happen for valid layouts; kept as a guard).
+
+    Example:
+        >>> from shardwise import Replicate, Shard
+        >>> plan_redistribute((8, 6), 4, (4,), [Shard(0)], [Replicate()]).collectives
+        ['all_gather']
     """
-    return _plan(tuple(global_shape), itemsize, tuple(mesh_shape), tuple(src), tuple(dst), _groups(flattened))
-
-
-def _groups(flattened: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    """``flattened`` in one canonical order (the plan cache's key)."""
-    return tuple(sorted(tuple(sorted(g)) for g in flattened))
+    groups = tuple(sorted(tuple(sorted(g)) for g in flattened))  # one canonical order: the cache key
+    return _cached_plan(tuple(global_shape), itemsize, tuple(mesh_shape), tuple(src), tuple(dst), groups,
+                        hardware or active_hardware())
 
 
 @lru_cache(maxsize=4096)
-def _plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layout, flattened: tuple = ()) -> Plan:
-    if src == dst:
-        return Plan((), (0,) * math.prod(mesh_shape), (0,) * math.prod(mesh_shape))
-    ctx = _Context(shape, itemsize, mesh_shape, _partial_ops(src, dst), flattened)
-    candidates, scores = _candidates(ctx, src, dst)
-    return ctx.priced(src, candidates[_choose(scores)])
+def _cached_plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layout, flattened: tuple,
+                 hardware: Hardware) -> Plan:
+    return _plan(_context(shape, itemsize, mesh_shape, src, dst, flattened, hardware), src, dst)
 
 
 def plan_candidates(global_shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], src: Sequence[Placement],
-                    dst: Sequence[Placement], flattened: Sequence[Sequence[int]] = ()) -> list[Plan]:
+                    dst: Sequence[Placement], flattened: Sequence[Sequence[int]] = (),
+                    hardware: Hardware | None = None) -> list[Plan]:
     """Every plan ``plan_redistribute`` chooses among (same arguments), the axis-by-axis one
-    first; for tests and tools that check the choice (``_choose``)."""
+    first; for tests and tools that check the choice."""
     src, dst = tuple(src), tuple(dst)
+    ctx = _context(global_shape, itemsize, mesh_shape, src, dst, flattened, hardware)
     if src == dst:
-        return [plan_redistribute(global_shape, itemsize, mesh_shape, src, dst, flattened)]
-    ctx = _Context(tuple(global_shape), itemsize, tuple(mesh_shape), _partial_ops(src, dst), _groups(flattened))
-    return [ctx.priced(src, steps) for steps in _candidates(ctx, src, dst)[0]]
+        return [_plan(ctx, src, dst)]
+    return [ctx.priced(src, steps) for steps in _candidates(ctx, src, dst)]
 
 
-Score = tuple[int, int, int]  # bytes sent by all ranks, by the busiest, collectives issued
+def _context(global_shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], src: Sequence[Placement],
+             dst: Sequence[Placement], flattened: Sequence[Sequence[int]], hardware: Hardware | None) -> "_Context":
+    groups = tuple(sorted(tuple(sorted(g)) for g in flattened))  # one canonical order: the cache key
+    partials = tuple(sorted({p for p in (*src, *dst) if isinstance(p, Partial)}, key=lambda p: p.reduce_op))
+    return _Context(tuple(global_shape), itemsize, tuple(mesh_shape), partials, groups,
+                    hardware or active_hardware())
 
 
-def _candidates(ctx: "_Context", src: Layout, dst: Layout) -> tuple[list[tuple[Step, ...]], list[Score]]:
-    """The plans weighed, with their scores: the axis-by-axis path, the exchange routes, the
-    reduce-forward step and the plan keeping reductions pending (each where it applies).
+def _plan(ctx: "_Context", src: Layout, dst: Layout) -> Plan:
+    if src == dst:
+        return Plan((), (0,) * math.prod(ctx.mesh_shape))
+    candidates = _candidates(ctx, src, dst)
+    best = min(range(len(candidates)), key=lambda i: (ctx.time(candidates[i]), _bytes(candidates[i]), i))
+    return ctx.priced(src, candidates[best])
 
-    Reduce-forward is weighed only when it sends no more bytes in all than the plan chosen from
-    the others: saving bytes in all is what it is for, and its schedule (a local search) costs
-    more to plan than all the others together; its total is known without planning it."""
+
+def _bytes(steps: tuple[Step, ...]) -> int:
+    return sum(s.bytes_per_rank for s in steps)
+
+
+def _candidates(ctx: "_Context", src: Layout, dst: Layout) -> list[tuple[Step, ...]]:
+    """The plans weighed: the axis-by-axis path first, the exchange routes, then the plan keeping
+    reductions pending (each where it applies)."""
     paths = _search(ctx, src)
     if dst not in paths:
         raise ValueError(f"no redistribute path from {list(src)} to {list(dst)} for shape {list(ctx.shape)}")
-    candidates = [paths[dst], *_exchange_routes(ctx, src, dst, paths)]
-    pending = _kept_plan(ctx.shape, ctx.itemsize, ctx.mesh_shape, src, dst, ctx.flattened)
-    if pending is not None:
-        candidates.append(pending)
-    scores = [ctx.score(src, steps) for steps in candidates]
-    beat = scores[_choose(scores)][0]
-    weigh = ctx.forward_applies(src, dst) and ctx.reducing_total(src, dst) <= beat
-    forward = ctx.reduce_forward(src, dst) if weigh else None
-    if forward is not None:  # before the kept plan: ties go to the earlier candidate
-        at = len(candidates) - (pending is not None)
-        candidates.insert(at, (forward,))
-        scores.insert(at, ctx.score(src, (forward,)))
-    return candidates, scores
+    kept = _kept_plan(ctx, src, dst)
+    return [paths[dst], *_exchange_routes(ctx, src, dst, paths), *([kept] if kept else [])]
 
 
-def _choose(scores: Sequence[Score]) -> int:
-    """The index of the plan with the fewest bytes in all, then for the busiest rank, then the
-    fewest collectives (ties to the earlier candidate), among those no other candidate makes
-    slower.
-
-    A plan is dropped when another one's busiest rank sends at most as much in at most as many
-    collectives (one of the two strictly fewer): under any time model of a latency per
-    collective plus the busiest rank's bytes over a bandwidth it is never faster and usually
-    slower, so the bytes it saves in all would be paid in time."""
-    kept = [i for i, s in enumerate(scores) if not any(_dominates(o, s) for o in scores)]
-    return min(kept, key=lambda i: (scores[i], i))
-
-
-def _dominates(a: Score, b: Score) -> bool:
-    """Whether ``a``'s busiest rank sends at most ``b``'s bytes in at most as many collectives,
-    one of the two strictly fewer (totals aside)."""
-    return a[1] <= b[1] and a[2] <= b[2] and a[1:] != b[1:]
-
-
-def _kept_plan(shape: tuple, itemsize: int, mesh_shape: tuple, src: Layout, dst: Layout,
-               flattened: tuple) -> tuple[Step, ...] | None:
+def _kept_plan(ctx: "_Context", src: Layout, dst: Layout) -> tuple[Step, ...] | None:
     """The plan that keeps the reductions of ``pending.kept_axes`` pending: the sub-plan over
     the other axes, its steps lifted to the full mesh (None when no axis may be kept)."""
-    kept = kept_axes(mesh_shape, src, dst)
+    kept = kept_axes(ctx.mesh_shape, src, dst)
     if not kept:
         return None
-    rest = rest_axes(len(mesh_shape), kept)
-    held = tuple(src[a] for a in kept)
-    sub = _plan(shape, itemsize, drop(mesh_shape, kept), drop(src, kept), drop(dst, kept),
-                sub_groups(flattened, kept, len(mesh_shape)))
-    if any(s.rounds for s in sub.steps):  # a kept reduce-forward: no transition of up to 3 axes
-        return None  # picks one, so it has never run on real ranks; not offered until it has
+    rest, held, ndim = rest_axes(len(ctx.mesh_shape), kept), tuple(src[a] for a in kept), len(ctx.mesh_shape)
+    sub_ctx = _context(ctx.shape, ctx.itemsize, drop(ctx.mesh_shape, kept), drop(src, kept), drop(dst, kept),
+                       sub_groups(ctx.flattened, kept, ndim), ctx.hardware)
     steps = []
-    for s in sub.steps:
+    for s in _plan(sub_ctx, drop(src, kept), drop(dst, kept)).steps:
         group: tuple[int, ...] | None = tuple(rest[a] for a in s.flattened)
         if group and s.target:  # an all_to_all: may run on a group that spans the kept axes
-            group = widen(group, flattened, kept, mesh_shape)
-        elif group and group not in flattened:  # a reduction over the other axes only
+            group = widen(group, ctx.flattened, kept, ctx.mesh_shape)
+        elif group and group not in ctx.flattened:  # a reduction over the other axes only
             group = None
         if group is None:
             return None
+        copies = math.prod(ctx.mesh_shape[a] for a in kept)
         steps.append(Step(group[0] if group else rest[s.axis], s.src, s.dst, s.collective, s.bytes_per_rank, group,
-                          insert(s.target, kept, held) if s.target else (), s.rounds, kept if s.target else ()))
+                          insert(s.target, kept, held) if s.target else (), s.bytes_all * copies,
+                          kept if s.target else ()))
     return tuple(steps)
 
 
@@ -339,6 +288,8 @@ def _exchange_routes(ctx: "_Context", src: Layout, dst: Layout, paths: dict) -> 
     """Plans that end in an exchange: from the source, from a reduced source, or (Partial(sum)
     source) a reducing exchange straight to the target or into a fully sharded refinement of it
     followed by a value exchange."""
+    if math.prod(ctx.mesh_shape) > EXCHANGE_MAX_RANKS:
+        return []  # too many ranks to plan the exchange in time: steps only
     routes = []
     for via in _exchange_starts(ctx, src):
         step = ctx.exchange(via, dst) if via in paths else None
@@ -359,20 +310,21 @@ def _exchange_routes(ctx: "_Context", src: Layout, dst: Layout, paths: dict) -> 
 
 @lru_cache(maxsize=1024)
 def _search(ctx: "_Context", src: Layout) -> dict:
-    """Cheapest axis-by-axis path from ``src`` to every layout (Dijkstra on the busiest rank's
-    bytes, ties broken by fewer steps, then a fixed order)."""
-    # (bytes, steps, tie-break key, layout, path)
-    frontier: list = [(0, 0, "", src, ())]
+    """Fastest predicted axis-by-axis path from ``src`` to every layout (Dijkstra; ties broken
+    by fewer bytes of the busiest ranks, fewer steps, then a fixed order)."""
+    # (seconds, bytes, steps, tie-break key, layout, path)
+    frontier: list = [(0.0, 0, 0, "", src, ())]
     paths: dict = {}
     while frontier:
-        cost, n_steps, key, layout, path = heapq.heappop(frontier)
+        seconds, nbytes, n_steps, key, layout, path = heapq.heappop(frontier)
         if layout in paths:
             continue
         paths[layout] = path
         for step in _moves(ctx, layout):
             nxt = step.apply(layout)
             if nxt not in paths:
-                entry = (cost + step.bytes_per_rank, n_steps + 1, key + "|" + str(step), nxt, path + (step,))
+                entry = (seconds + ctx.step_time(step), nbytes + step.bytes_per_rank, n_steps + 1,
+                         key + "|" + str(step), nxt, path + (step,))
                 heapq.heappush(frontier, entry)
     return paths
 
@@ -390,18 +342,69 @@ def _moves(ctx: "_Context", layout: Layout) -> tuple[Step, ...]:
     return tuple(ctx.moves(layout))
 
 
-def _partial_ops(src: Layout, dst: Layout) -> tuple[Partial, ...]:
-    return tuple(sorted({p for p in src + dst if isinstance(p, Partial)}, key=lambda p: p.reduce_op))
-
-
 @dataclass(frozen=True, slots=True)
 class _Context:
     shape: tuple
     itemsize: int
     mesh_shape: tuple
     partials: tuple[Partial, ...]
-    flattened: tuple[tuple[int, ...], ...] = ()
+    flattened: tuple[tuple[int, ...], ...]
+    hardware: Hardware
 
+    # ------------------------------------------------------------------ pricing
+    def step_time(self, step: Step) -> float:
+        """Predicted seconds of one step on this context's hardware (0 for a free one)."""
+        if step.free:
+            return 0.0
+        links = _axis_links(self.mesh_shape, self.hardware.gpus_per_node)
+        link = Link.INTER_NODE if any(links[a] is Link.INTER_NODE for a in step.axes) else Link.INTRA_NODE
+        n = math.prod(self.mesh_shape[a] for a in step.axes)
+        host = EXCHANGE_HOST_LATENCIES * self.hardware.collective_latency_s if step.target else 0.0
+        return host + collective_time(Collective(step.collective.value), step.bytes_per_rank, n, link, self.hardware,
+                                      step.bytes_all or step.bytes_per_rank * math.prod(self.mesh_shape))
+
+    def time(self, steps: tuple[Step, ...]) -> float:
+        return sum(self.step_time(s) for s in steps)
+
+    def priced(self, src: Layout, steps: tuple[Step, ...]) -> Plan:
+        """``steps`` as a Plan with what every rank sends and its predicted time."""
+        return Plan(steps, self.sends(src, steps), self.time(steps))
+
+    def sends(self, src: Layout, steps: tuple[Step, ...]) -> tuple[int, ...]:
+        """Bytes every rank sends over ``steps`` (see ``rank_sends``)."""
+        sends = [0] * math.prod(self.mesh_shape)
+        layout = src
+        for step in steps:
+            for r, b in enumerate(_rank_sends(self, layout, step)):
+                sends[r] += b
+            layout = step.apply(layout)
+        return tuple(sends)
+
+    def rank_sends(self, layout: Layout, step: Step) -> list[int]:
+        """Bytes each rank (row-major) sends in ``step`` taken from ``layout``, as ``comm`` counts
+        them (an all_reduce at the busiest rank's figure on every rank)."""
+        coords = coordinates(self.mesh_shape)
+        if step.free:
+            return [0] * len(coords)
+        if step.target:
+            return [e * self.itemsize for e in self.schedule_sends(layout, step)]
+        n = math.prod(self.mesh_shape[a] for a in step.axes)
+        after = step.apply(layout)
+        return [self._sent(step.collective, n, _rank_block_shape(self.shape, self.mesh_shape, layout, c),
+                           _rank_block_shape(self.shape, self.mesh_shape, after, c)) * self.itemsize for c in coords]
+
+    def schedule_sends(self, layout: Layout, step: Step) -> list[int]:
+        """Elements each rank sends in an exchange; with kept axes, the schedule over the other
+        axes, every slice sending the same."""
+        kept = step.kept
+        mesh_shape = drop(self.mesh_shape, kept)
+        sends = plan_exchange(self.shape, mesh_shape, drop(layout, kept), drop(step.target, kept)).sends
+        if not kept:
+            return list(sends)
+        index = {c: i for i, c in enumerate(coordinates(mesh_shape))}
+        return [sends[index[drop(c, kept)]] for c in coordinates(self.mesh_shape)]
+
+    # ------------------------------------------------------------------ moves
     def candidates(self) -> list[Placement]:
         """Every placement one axis may take along the way."""
         return [Replicate(), *self.partials, *(Shard(d) for d in range(len(self.shape)))]
@@ -416,12 +419,10 @@ class _Context:
         return steps + self.merged_reductions(layout)
 
     def exchange(self, layout: Layout, dst: Layout) -> Step | None:
-        """The one-all_to_all step from ``layout`` (no Partial) to ``dst``, or None when it moves
-        nothing or needs a flattened group that does not exist."""
+        """The one-all_to_all step from ``layout`` to ``dst``, or None when it moves nothing or
+        needs a flattened group that does not exist."""
         if layout == dst or len({p for p in dst if p.is_partial()}) > 1 or not reducible(layout, dst):
             return None  # mixed reductions: the order of partitioning matters, leave it to steps
-        if math.prod(self.mesh_shape) > EXCHANGE_MAX_RANKS:
-            return None  # too many ranks to plan the exchange in time: steps only
         ex = plan_exchange(self.shape, self.mesh_shape, layout, dst)
         if not ex.axes:  # every rank builds its target block from what it holds
             changed = next(a for a, (p, q) in enumerate(zip(layout, dst)) if p != q)
@@ -431,35 +432,7 @@ class _Context:
             return None
         busiest = max(ex.sends) * self.itemsize
         return Step(group[0], layout[group[0]], dst[group[0]], StepKind.ALL_TO_ALL, busiest,
-                    group if len(group) > 1 else (), dst)
-
-    def forward_applies(self, src: Layout, dst: Layout) -> bool:
-        """Whether reduce-forward may be weighed: one Partial op, a mesh small enough to plan
-        exchanges on. Checked before its total, whose count grows with the ranks times the
-        cells their blocks cut the tensor into (minutes on a 512-rank mesh)."""
-        return forwardable(self.mesh_shape, src, dst) and math.prod(self.mesh_shape) <= EXCHANGE_MAX_RANKS
-
-    def reduce_forward(self, src: Layout, dst: Layout) -> Step | None:
-        """The two-all_to_all step that reduces every element of a Partial source at a rank
-        that needs it, then forwards it (``reduce_forward.py``), or None without a group over
-        the axes it crosses. Only where ``forward_applies`` (``_candidates`` checks it first)."""
-        # Axes it must cross: every Partial one, and every one leaving a Shard (each block is
-        # held only at its coordinate and needed at others); no group over them, no step.
-        crossed = tuple(a for a, (p, q, m) in enumerate(zip(src, dst, self.mesh_shape))
-                        if m > 1 and (p.is_partial() or p.is_shard() and p != q))
-        if self.group(crossed) is None:
-            return None
-        rf = plan_reduce_forward(self.shape, self.mesh_shape, src, dst)
-        group = self.group(rf.axes) if rf.axes else None
-        if group is None:
-            return None
-        rounds = tuple(max(r, default=0) * self.itemsize for r in rf.round_sends)
-        return Step(group[0], src[group[0]], dst[group[0]], StepKind.ALL_TO_ALL, sum(rounds),
-                    group if len(group) > 1 else (), dst, rounds)
-
-    def reducing_total(self, src: Layout, dst: Layout) -> int:
-        """Bytes reduce-forward sends in all, known without planning it (``bound.py``)."""
-        return reducing_total(self.shape, self.mesh_shape, src, dst) * self.itemsize
+                    group if len(group) > 1 else (), dst, sum(ex.sends) * self.itemsize)
 
     def group(self, axes: Sequence[int]) -> tuple[int, ...] | None:
         """The smallest group over ``axes``: one axis, or an existing flattened group holding
@@ -470,65 +443,6 @@ class _Context:
         if not wide:
             return None
         return min(wide, key=lambda g: (math.prod(self.mesh_shape[a] for a in g), g))
-
-    def priced(self, src: Layout, steps: tuple[Step, ...]) -> Plan:
-        """``steps`` as a Plan with what every rank sends."""
-        return Plan(steps, self.sends(src, steps), self.sends(src, steps, exact=True))
-
-    def sends(self, src: Layout, steps: tuple[Step, ...], exact: bool = False) -> tuple[int, ...]:
-        """Bytes every rank sends over ``steps`` (see ``rank_sends``)."""
-        sends = [0] * math.prod(self.mesh_shape)
-        layout = src
-        for step in steps:
-            for r, b in enumerate(_rank_sends(self, layout, step, exact)):
-                sends[r] += b
-            layout = step.apply(layout)
-        return tuple(sends)
-
-    def score(self, src: Layout, steps: tuple[Step, ...]) -> tuple[int, int, int]:
-        """What plans are compared by (``_choose``): bytes of all ranks, of the busiest, and the
-        collectives issued; all_reduce at its exact per-rank figure (so that no all_reduce is
-        traded for two collectives over the rounding of its count)."""
-        sends = self.sends(src, steps, exact=True)
-        return sum(sends), max(sends, default=0), len(_issued(steps))
-
-    def rank_sends(self, layout: Layout, step: Step, exact: bool = False) -> list[int]:
-        """Bytes each rank (row-major) sends in ``step`` taken from ``layout``, as ``comm`` counts
-        them; ``exact``: an all_reduce at each rank's own figure (``comm`` counts the busiest
-        rank's on every rank), whose sum is the reduction's minimum, 2 (n - 1) numel."""
-        coords = coordinates(self.mesh_shape)
-        if step.collective in _FREE:
-            return [0] * len(coords)
-        if step.target:
-            return [e * self.itemsize for e in self.schedule_sends(layout, step)]
-        n = math.prod(self.mesh_shape[a] for a in step.axes)
-        after = step.apply(layout)
-        sends = []
-        for c in coords:
-            before = _rank_block_shape(self.shape, self.mesh_shape, layout, c)
-            if step.collective == StepKind.ALL_REDUCE and exact:  # each rank at its own figure
-                k = 0
-                for a in step.axes:
-                    k = k * self.mesh_shape[a] + c[a]
-                sends.append(all_reduce_sent(math.prod(before), n, k) * self.itemsize)
-                continue
-            after_shape = _rank_block_shape(self.shape, self.mesh_shape, after, c)
-            sends.append(self._sent(step.collective, n, before, after_shape) * self.itemsize)
-        return sends
-
-    def schedule_sends(self, layout: Layout, step: Step) -> list[int]:
-        """Elements each rank sends in an exchange or reduce-forward step; with kept axes, the
-        schedule over the other axes, every slice sending the same."""
-        kept = step.kept
-        mesh_shape, layout_s, target = drop(self.mesh_shape, kept), drop(layout, kept), drop(step.target, kept)
-        if step.rounds:
-            sends = plan_reduce_forward(self.shape, mesh_shape, layout_s, target).sends
-        else:
-            sends = plan_exchange(self.shape, mesh_shape, layout_s, target).sends
-        if not kept:
-            return list(sends)
-        index = {c: i for i, c in enumerate(coordinates(mesh_shape))}
-        return [sends[index[drop(c, kept)]] for c in coordinates(self.mesh_shape)]
 
     def merged_reductions(self, layout: Layout) -> list[Step]:
         """Partial -> Replicate on every axis of a flattened group at once (one all_reduce).
@@ -589,11 +503,13 @@ class _Context:
         return _rank_block_shape(self.shape, self.mesh_shape, layout, coordinate)
 
 
+_axis_links = lru_cache(maxsize=256)(axis_links)
+
+
 @lru_cache(maxsize=65536)
-def _rank_sends(ctx: _Context, layout: Layout, step: Step, exact: bool) -> tuple[int, ...]:
-    """``_Context.rank_sends``, cached: candidate plans share steps, and scoring each plan
-    prices every step again."""
-    return tuple(ctx.rank_sends(layout, step, exact))
+def _rank_sends(ctx: _Context, layout: Layout, step: Step) -> tuple[int, ...]:
+    """``_Context.rank_sends``, cached: plans share steps."""
+    return tuple(ctx.rank_sends(layout, step))
 
 
 @lru_cache(maxsize=65536)

@@ -4,7 +4,9 @@
 can be compared figure for figure:
 
 * communication: ``CommDebugMode`` (``shardwise.comm``'s own byte accounting: what this rank
-  sends under each collective's optimal algorithm), summed per mesh axis;
+  sends under each collective's optimal algorithm), summed per mesh axis, and the collectives
+  issued per axis and kind (``shardwise.plan`` prices each one's latency with
+  ``shardwise.cost``);
 * memory: ``MemoryTracker``, the live bytes of tensor storage on this rank, counting the state
   held when the step starts (parameter blocks, gradients, optimizer state, buffers, the batch)
   and everything the step allocates until it is freed. ``peak_memory_bytes`` is its highest
@@ -34,6 +36,7 @@ class StepMeasurement:
     rank: int
     comm_bytes_per_step: int = 0
     comm_bytes_by_axis: dict[str, int] = field(default_factory=dict)
+    collectives_by_axis: dict[str, dict[str, int]] = field(default_factory=dict)  # axis -> kind -> count
     collectives_per_step: int = 0
     peak_memory_bytes: int = 0
     activation_peak_bytes: int = 0
@@ -87,13 +90,17 @@ def measure_step(rank: int, device: torch.device, model: torch.nn.Module, optimi
         start = tracker.live_bytes
         yield
     by_axis: dict[str, int] = {}
+    calls: dict[str, dict[str, int]] = {}
     for record in comms.records:
         by_axis[record.axis_name] = by_axis.get(record.axis_name, 0) + record.bytes_sent
+        kinds = calls.setdefault(record.axis_name, {})
+        kinds[record.kind] = kinds.get(record.kind, 0) + 1
     held_state = state()
     keep(StepMeasurement(
         rank=rank,
         comm_bytes_per_step=comms.bytes_sent,
         comm_bytes_by_axis=by_axis,
+        collectives_by_axis=calls,
         collectives_per_step=len(comms.records),
         peak_memory_bytes=tracker.peak_bytes,
         activation_peak_bytes=tracker.peak_bytes - start,

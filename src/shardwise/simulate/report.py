@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 from shardwise.simulate.measure import StepMeasurement
+from shardwise.units import format_bytes
 
 __all__ = ["report_lines", "rank_ranges"]
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def rank_ranges(ranks: list[int]) -> str:
@@ -40,7 +34,7 @@ def report_lines(per_rank: list[StepMeasurement]) -> list[str]:
     lines = [header]
     for row, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
         params, grads, optim, act, peak, sent, axes = row
-        by_axis = ", ".join(f"{a} {_size(b)}" for a, b in axes) or "-"
-        lines.append(f"{rank_ranges(ranks):<12}{_size(params):>12}{_size(grads):>12}{_size(optim):>12}{_size(act):>12}"
-                     f"{_size(peak):>12}{_size(sent):>12}  {by_axis}")
+        by_axis = ", ".join(f"{a} {format_bytes(b)}" for a, b in axes) or "-"
+        lines.append(f"{rank_ranges(ranks):<12}{format_bytes(params):>12}{format_bytes(grads):>12}{format_bytes(optim):>12}{format_bytes(act):>12}"
+                     f"{format_bytes(peak):>12}{format_bytes(sent):>12}  {by_axis}")
     return lines

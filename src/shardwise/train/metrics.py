@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardwise import comm
+from shardwise.units import format_bytes
 
 __all__ = ["peak_memory_bytes", "RunMetrics", "StateBytes", "format_bytes", "state_bytes"]
 
@@ -75,15 +76,6 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
     if optimizer is not None:
         optim = sum(_local_bytes(v) for state in optimizer.state.values() for v in state.values())
     return StateBytes(sum(_local_bytes(p) for p in params), sum(_local_bytes(p.grad) for p in params), optim)
-
-
-def format_bytes(n: float) -> str:
-    """``1.25 GiB``, ``312.4 MiB``, ``96 KiB``: three significant figures or so at every scale."""
-    if n >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if n >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n / 2**10:.0f} KiB"
 
 
 @dataclass
