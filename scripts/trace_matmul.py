@@ -3,8 +3,9 @@
 
     python -m shardwise.launch --nproc 2 scripts/trace_matmul.py
 
-``a`` is Shard(0) and ``b`` Replicate on a 1-D mesh of 2 ranks: the row-sharded matmul that needs
-no communication. Rank 0 prints each call into a shardwise module (file:function), indented by
+``a`` [8, 4] and ``b`` [4, 3] are both Shard(0) on a 1-D mesh of 2 ranks, so one of them must
+move: the miss prices the rule's candidates with the cost model and plans the move, the hit
+runs the cached runner (the move, then the local mm). Rank 0 prints each call into a shardwise module (file:function), indented by
 depth, once per call site in a row; docs/trace.md is this output, explained.
 """
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise import Replicate, Shard
+from shardwise import Shard
 
 ROOT = os.path.dirname(os.path.abspath(shardwise.__file__)) + os.sep
 MAX_DEPTH = 9  # deeper calls are the rules' own helpers
@@ -55,7 +56,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     mesh = shardwise.init_device_mesh("cpu", (dist.get_world_size(),))
     a = shardwise.distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
-    b = shardwise.distribute_tensor(torch.randn(4, 3), mesh, [Replicate()])
+    b = shardwise.distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
     shardwise.dispatch.clear_cache()
     miss = _traced(lambda: a @ b)
     hit = _traced(lambda: a @ b)

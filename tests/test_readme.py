@@ -261,3 +261,28 @@ def test_benchmark_commands_name_existing_scripts_and_flags():
         source = (REPO / script).read_text()
         for flag in (f for f in flags if f.startswith("-")):  # options, not their values
             assert f'"{flag}"' in source, f"{command!r}: {script} has no option {flag}"
+
+
+def test_the_trace_of_a_matmul_names_existing_functions():
+    """docs/trace.md (scripts/trace_matmul.py's output, explained) names only functions that exist."""
+    import ast
+
+    text = (REPO / "docs" / "trace.md").read_text()
+    named = set(re.findall(r"\b([\w/]+\.py):([\w.]+)", text))
+    assert len(named) > 20, "docs/trace.md should list the functions the trace visits"
+    missing = []
+    for path, qualname in sorted(named):
+        source = REPO / "src" / "shardwise" / path
+        if not source.exists():
+            missing.append(f"{path} (no such file)")
+            continue
+        defined = set()
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ClassDef):
+                defined.add(node.name)
+                defined |= {f"{node.name}.{f.name}" for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defined.add(node.name)
+        if qualname not in defined:
+            missing.append(f"{path}:{qualname}")
+    assert not missing, f"docs/trace.md names functions that do not exist (rerun scripts/trace_matmul.py): {missing}"
