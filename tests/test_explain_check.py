@@ -5,6 +5,7 @@ import json
 import re
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -158,6 +159,7 @@ def _train_explained(argv: list[str]):
     return runs
 
 
+@pytest.mark.e2e
 def test_the_trainers_explain_prints_the_first_step_and_continues(dist):
     argv = ["--config", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--tp", "2",
             "--log-every", "1000", "--device", "cpu"]

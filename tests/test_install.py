@@ -25,6 +25,10 @@ import tempfile
 
 import torch
 
+# Launched processes: the e2e tier (tests/conftest.py). Not a pytest marker: this file also runs
+# as a script, which must not need pytest (test_install.py: only declared dependencies importable).
+E2E_TESTS = ("test_library_runs_with_only_declared_dependencies",)
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SRC = REPO / "src" / "shardwise"
 

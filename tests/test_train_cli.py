@@ -26,8 +26,7 @@ from shardwise.train import cli
 from shardwise.train.config import CONFIGS, ConfigError, JobConfig, params_label
 from shardwise.train.plot import write_loss_plot
 from shardwise.train.run_lock import DirectoryInUse, RunLock, hold_for_run, live_holder
-from tests.test_train import _cli, refusal_in_launcher
-from tests.test_train_resume import _fake_checkpoint
+from tests.helpers import cli_run, fake_checkpoint, refusal_in_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHED = ["--nproc", "2"]  # a job the CLI would launch workers for (refusal_in_launcher fails the test then)
@@ -59,9 +58,10 @@ def test_output_files_are_checked_before_any_worker_starts(monkeypatch, capsys, 
     assert re.search(message, err.strip()), err
 
 
+@pytest.mark.e2e
 def test_plot_into_a_missing_dir_from_the_shell_fails_before_training(tmp_path):
     start = time.monotonic()
-    proc = _cli([*TINY, "--steps", "2", "--plot", str(tmp_path / "nodir" / "loss.png")], timeout=120)
+    proc = cli_run([*TINY, "--steps", "2", "--plot", str(tmp_path / "nodir" / "loss.png")], timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "its directory" in proc.stderr and "Traceback" not in proc.stderr
     assert time.monotonic() - start < 60
@@ -111,12 +111,13 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("resume", [False, True], ids=["fresh run", "resuming run"])
 def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_and_touches_nothing(monkeypatch, capsys, tmp_path,
                                                                                  resume):
     ckpt = tmp_path / "ckpt"
     if resume:
-        _fake_checkpoint(str(ckpt), 4)  # a committed checkpoint the other run saved (same config and seed)
+        fake_checkpoint(str(ckpt), 4)  # a committed checkpoint the other run saved (same config and seed)
     saving = ckpt / "step-8.tmp-0123456789ab"  # the other run's save in progress
     saving.mkdir(parents=True)
     (saving / "part").write_bytes(b"x")
@@ -132,6 +133,7 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_and_touches_nothing(
     assert (saving / "part").read_bytes() == b"x"
 
 
+@pytest.mark.e2e
 def test_the_lock_of_a_killed_run_does_not_block_the_next_run(tmp_path):
     ckpt = tmp_path / "ckpt"
     holder = _holder_process(ckpt)
