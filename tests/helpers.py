@@ -121,6 +121,21 @@ class TrainerRuns:
         return per_rank[0]["losses"]
 
 
+# ---------------------------------------------------------------------- optional dependencies
+EXTRAS_ENV = "SHARDWISE_TEST_EXTRAS"
+
+
+def require_extra(module: str):
+    """``module`` (an optional dependency the library uses when installed), imported; the test
+    skips without it, except where ``$SHARDWISE_TEST_EXTRAS=1`` (.ci/run's extras step installed
+    every extra: a missing one fails there instead of skipping)."""
+    import importlib
+
+    if os.environ.get(EXTRAS_ENV) == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=f"the optional {module} path (.ci/run installs {module} to run it)")
+
+
 # ---------------------------------------------------------------------- the command line
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

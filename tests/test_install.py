@@ -89,6 +89,13 @@ def test_import_walker_sees_required_and_optional_imports():
         ("a", False), ("c", False), ("e", True), ("f", False), ("h", False)]
 
 
+def test_ci_installs_every_optional_import_for_the_extras_step():
+    """.ci/run's extras step installs exactly the modules the library imports only optionally."""
+    optional = {m for m, places in _third_party_imports().items() if all(o for _, o in places)}
+    line = next(ln for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.startswith("OPTIONAL_EXTRAS="))
+    assert set(line.partition("=")[2].strip('"').split()) == optional, (line, sorted(optional))
+
+
 # ------------------------------------------------------------------ dynamic: a README install
 def _job(path: str) -> None:
     """Runs on 2 ranks with undeclared modules blocked: the library's object collectives."""

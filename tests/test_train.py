@@ -54,6 +54,7 @@ def test_mixed_precision_stays_near_fp32(trainer_runs, reference):
 
 
 @pytest.mark.e2e
+@pytest.mark.extras  # its plot: matplotlib's when installed
 def test_command_line_run_launches_reports_and_matches(monkeypatch, capsys, tmp_path, reference):
     """One real launched job: progress, summary, metrics file, plot, parity; and its checkpoint
     directory: the launching process holds it for its workers until the job ends (a second run

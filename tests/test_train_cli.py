@@ -26,7 +26,7 @@ from shardwise.train import cli
 from shardwise.train.config import CONFIGS, ConfigError, JobConfig, params_label
 from shardwise.train.plot import write_loss_plot
 from shardwise.train.run_lock import DirectoryInUse, RunLock, hold_for_run, live_holder
-from tests.helpers import cli_run, fake_checkpoint, refusal_in_launcher
+from tests.helpers import cli_run, fake_checkpoint, refusal_in_launcher, require_extra
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHED = ["--nproc", "2"]  # a job the CLI would launch workers for (refusal_in_launcher fails the test then)
@@ -77,6 +77,7 @@ def test_under_a_launcher_only_rank_0_checks_the_files_it_writes(monkeypatch, tm
     assert cli.job_from_argv(argv).plot.endswith("loss.png")
 
 
+@pytest.mark.extras
 def test_a_failed_plot_write_is_not_chained_under_the_missing_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError: built-in plotter
     with pytest.raises(FileNotFoundError) as info:
@@ -84,6 +85,14 @@ def test_a_failed_plot_write_is_not_chained_under_the_missing_matplotlib(monkeyp
     assert info.value.__context__ is None, repr(info.value.__context__)
     assert write_loss_plot(str(tmp_path / "loss.png"), [3.0, 2.0]).endswith("(built-in plotter; install matplotlib "
                                                                             "for a labelled chart)")
+
+
+@pytest.mark.extras
+def test_the_plot_is_a_labelled_matplotlib_chart_when_matplotlib_is_installed(tmp_path):
+    require_extra("matplotlib")
+    path = tmp_path / "loss.png"
+    assert write_loss_plot(str(path), [3.0, 2.0, 2.5]) == f"loss plot: {path}"  # no built-in plotter note
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------------- run lock
