@@ -10,7 +10,11 @@ Tiers (markers registered in pyproject.toml; every collected test carries exactl
 A test without a tier marker is ``dist`` if it uses the ``dist`` fixture, ``e2e`` if it uses a
 trainer run fixture (``E2E_FIXTURES``), else ``unit``; modules that launch processes say
 ``e2e`` themselves. A ``unit`` or ``dist`` test that starts a Python process fails, naming the
-tier to give it. The developer tier is ``pytest -m "not e2e"``.
+tier to give it.
+
+The developer tier, ``pytest -m dev``: every ``unit`` test and every ``dist`` test not marked
+``slow`` (``SLOW_TESTS``: sweeps that cost several CPU-seconds, such as every op or placement
+pair on a 2-D or 3-D mesh, or compiling with inductor). conftest gives those tests ``dev``.
 
 The ``dist`` fixture runs functions on gloo worker pools:
 
@@ -79,6 +83,43 @@ TIERS = ("unit", "dist", "e2e")
 E2E_FIXTURES = {"reference", "trainer_runs"}  # trainer runs: whole jobs, if on the pools
 
 
+# Dist tests kept out of the developer tier (marked ``slow`` here, in one place, so the test files
+# need no edit): each cost over 4.5 CPU-seconds, workers included, in a full run on 2026-12-03
+# (``--cpu-durations``; 2 cores, load 25-45: read them as relative). A node id names a test and
+# all its parameters, or one parameter set.
+SLOW_TESTS = (
+    "tests/test_compile.py::test_tp_sp_block_compiles_with_every_compiling_backend",  # 32 s: inductor
+    "tests/test_compile.py::test_fsdp_tp_model_compiled_per_block_matches_eager_and_one_device",  # 29 s
+    "tests/test_compile.py::test_tp_mlp_compiles_with_every_backend",  # 23 s: inductor
+    "tests/test_compile.py::test_tp_sp_block_compiles_to_one_graph_with_its_collectives",  # 17 s
+    "tests/test_compile.py::test_graph_breaks_no_more_than_torch_dtensor",  # 6 s
+    "tests/test_redistribute.py::test_every_placement_pair[mesh_shape4-shape4]",  # 24 s: (2, 2, 2)
+    "tests/test_redistribute.py::test_every_placement_pair[mesh_shape5-shape5]",  # 17 s: (2, 2, 2)
+    "tests/test_redistribute.py::test_exchange_steps_on_eight_ranks",  # 5 s
+    "tests/test_ops_view.py::test_view_ops_match_single_device_on_a_2d_mesh",  # 21 s
+    "tests/test_ops_view.py::test_view_ops_match_single_device_on_a_1d_mesh",  # 5.5 s
+    "tests/test_ops_reduction.py::test_reductions_values_and_gradients",  # 13 s
+    "tests/test_ops_matmul.py::test_matmul_linear_einsum",  # 12 s
+    "tests/test_ops_matmul.py::test_mm_family_gradients",  # 11 s
+    "tests/test_ops_matmul.py::test_mm_family_values",  # 5 s
+    "tests/test_ops_embedding_conv.py::test_conv2d_values_and_gradients",  # 11 s
+    "tests/test_ops_embedding_conv.py::test_embedding_values_and_gradients",  # 7.5 s
+    "tests/test_ops_attention.py::test_scaled_dot_product_attention[mesh_shape1]",  # 8 s: (2, 2)
+    "tests/test_ops_tensor.py::test_indexing_matches_single_device_on_a_2d_mesh",  # 7 s
+    "tests/test_ops_tensor.py::test_gather_scatter_and_fills_match_single_device",  # 6 s
+    "tests/test_interop_checkpoint.py::test_dcp_checkpoints_resume_across_libraries_and_layouts",  # 6.5 s
+    "tests/test_autograd.py::test_partial_gradients_and_gradient_placements",  # 6.4 s
+    "tests/test_inplace.py::test_in_place_ops_keep_self_layout_or_fail_like_torch",  # 5 s
+)
+
+
+COLLECTED = pytest.StashKey[list]()  # node ids of every collected test, selected or not
+
+
+def _listed_slow(item) -> bool:
+    return any(item.nodeid == entry or item.nodeid.startswith(entry + "[") for entry in SLOW_TESTS)
+
+
 def tier_markers(item) -> list[str]:
     """The tier markers ``item`` carries (exactly one after collection)."""
     return [m.name for m in item.iter_markers() if m.name in TIERS]
@@ -96,7 +137,8 @@ def _default_tier(item) -> str:
 
 
 def _assign_tiers(items) -> None:
-    """Give each unmarked test its default tier; refuse a test marked with two."""
+    """Give each unmarked test its default tier, and the developer tier's tests ``dev``; refuse a
+    test marked with two tiers."""
     doubled = []
     for item in items:
         marked = tier_markers(item)
@@ -104,6 +146,11 @@ def _assign_tiers(items) -> None:
             item.add_marker(getattr(pytest.mark, _default_tier(item)))
         elif len(set(marked)) > 1:
             doubled.append(f"{item.nodeid}: {sorted(set(marked))}")
+        if _listed_slow(item):
+            item.add_marker(pytest.mark.slow)
+        tier = tier_markers(item)[0]
+        if tier == "unit" or tier == "dist" and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.dev)
     if doubled:
         raise pytest.UsageError("tests with more than one tier marker (give each one of unit, dist, e2e):\n  "
                                 + "\n  ".join(doubled))
@@ -151,6 +198,7 @@ def pytest_collection_modifyitems(config, items):
     """Every test gets its tier (see the module docstring); tests marked ``cuda`` skip cleanly
     where no GPU is visible (torch is imported only then)."""
     _assign_tiers(items)
+    config.stash[COLLECTED] = [item.nodeid for item in items]  # before -m / -k deselect any
     marked = [item for item in items if item.get_closest_marker("cuda")]
     if not marked:
         return

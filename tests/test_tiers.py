@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TIERS, tier_markers
+from tests.conftest import COLLECTED, SLOW_TESTS, TIERS, tier_markers
 
 TESTS = Path(__file__).resolve().parent
 
@@ -20,6 +20,21 @@ def test_every_collected_test_has_exactly_one_tier(request):
     assert request.node in items
     wrong = {item.nodeid: tier_markers(item) for item in items if len(tier_markers(item)) != 1}
     assert not wrong, f"tests without exactly one of {TIERS}: {wrong}"
+    slow = [item.nodeid for item in items if item.get_closest_marker("slow") and tier_markers(item) != ["dist"]]
+    assert not slow, f"'slow' keeps dist tests out of the developer tier; these are not dist: {slow}"
+    for item in items:  # the developer tier: unit tests and dist tests not marked slow
+        dev = tier_markers(item) == ["unit"] or tier_markers(item) == ["dist"] and not item.get_closest_marker("slow")
+        assert bool(item.get_closest_marker("dev")) == dev, item.nodeid
+
+
+def test_every_slow_entry_names_a_collected_test(request):
+    """A renamed test must not leave the developer tier's exclusions stale (checked for the modules
+    collected in this session)."""
+    collected = set(request.config.stash[COLLECTED])
+    modules = {nodeid.split("::")[0] for nodeid in collected}
+    stale = [entry for entry in SLOW_TESTS if entry.split("::")[0] in modules
+             and not any(n == entry or n.startswith(entry + "[") for n in collected)]
+    assert not stale, f"SLOW_TESTS entries that name no test: {stale}"
 
 
 def test_a_unit_test_cannot_start_a_python_process(request):
