@@ -163,7 +163,7 @@ def _assign_tiers(items) -> None:
 @contextlib.contextmanager
 def _no_python_processes(item):
     """While a ``unit`` or ``dist`` test sets up and runs, starting a Python process fails it: such
-    a test belongs to ``e2e`` (the developer tier, ``-m "not e2e"``, promises no launched jobs).
+    a test belongs to ``e2e`` (the developer tier, ``-m dev``, promises no launched jobs).
     Pools are forked by the harness's forkserver, not through ``subprocess``."""
     tier = (tier_markers(item) or ["e2e"])[0]
     if tier == "e2e":

@@ -1,8 +1,8 @@
 """fully_shard: parity with single-device training, collectives per group, memory, bad input.
 
-Every distributed body trains a copy of the same seeded model on its slice of a global batch;
-the reference trains the same model on the whole batch in one process. Uneven sizes are on
-purpose: hidden size 7 and output size 3 over 4 ranks leave short and EMPTY shards.
+Every distributed body trains a copy of the same seeded model (tests/toy_net.py) on its slice of
+a global batch; the reference trains the same model on the whole batch in one process. Uneven
+sizes are on purpose: hidden size 7 and output size 3 over 4 ranks leave short and EMPTY shards.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from shardwise.fsdp import (
     fully_shard,
 )
 from tests import toy_net as toy
+
 
 # ---------------------------------------------------------------------- FSDP parity
 def _fsdp_parity():
