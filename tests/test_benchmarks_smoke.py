@@ -46,6 +46,7 @@ def _names(out: str, lib: str, kind: str) -> str:
     return line.group(1) if line else "?"
 
 
+@pytest.mark.e2e
 def test_op_coverage_quick_has_no_wrong_or_desynced_shardwise_op():
     pytest.importorskip("numpy", reason="torch's OpInfo database imports numpy")
     out = _run("op_coverage.py", "--quick")
@@ -61,6 +62,7 @@ def test_op_coverage_quick_has_no_wrong_or_desynced_shardwise_op():
         f"{_names(out, 'shardwise', 'error-only')}")
 
 
+@pytest.mark.e2e
 def test_dispatch_overhead_quick_reports_medians():
     out = _run("dispatch_overhead.py", "--quick")
     for world in (1, 4):

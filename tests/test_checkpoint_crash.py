@@ -29,6 +29,10 @@ import torch
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint.commit import KILL_ENV
 
+# Launched processes: the e2e tier (tests/conftest.py). Not a pytest marker: this file also runs
+# as a script, which must not need pytest (test_install.py: only declared dependencies importable).
+E2E_TESTS = ("test_killed_saves_keep_the_last_checkpoint",)
+
 WORLD = 2
 POINTS = ["mid_write@1", "after_write@0", "before_metadata", "before_commit", "between_renames", "after_commit"]
 RANDOM_KILLS = 4

@@ -30,6 +30,10 @@ import torch
 import shardwise.checkpoint as ckpt
 from shardwise.checkpoint.commit import KILL_ENV
 
+# Launched processes: the e2e tier (tests/conftest.py). Not a pytest marker: this file also runs
+# as a script, which must not need pytest (test_install.py: only declared dependencies importable).
+E2E_TESTS = ("test_failed_saves_leave_no_tmp_directory",)
+
 WORLD = 2
 BLOCK_NUMPY = "import sys; sys.modules['numpy'] = None; "  # what an interpreter without numpy sees
 SCENARIOS = {

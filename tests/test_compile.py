@@ -11,6 +11,7 @@ each model is one distributed body that runs all its backends (see ``_matrix_bac
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -508,6 +509,7 @@ print("ok")
 """
 
 
+@pytest.mark.e2e
 def test_import_leaves_dynamo_unloaded_and_marks_when_it_loads():
     """``import shardwise`` does not import torch._dynamo (seconds of every process start);
     the Dynamo markings (shardwise/compile/opaque.py) are in place as soon as it is imported."""

@@ -1,6 +1,8 @@
 """shardwise.debug.explain (per-op layouts, strategies, collectives) and the collective check
 (SHARDWISE_CHECK_COLLECTIVES / check_collectives), on real gloo groups."""
 
+import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +20,7 @@ import shardwise as sw
 from shardwise import Replicate, Shard, comm
 from shardwise.debug import CommDebugMode, Explanation, explain
 from shardwise.debug.check import CollectiveMismatch, check_collectives, checking
+from tests.helpers import require_extra
 
 
 def _mlp() -> nn.Module:
@@ -54,6 +57,7 @@ def _explain_tp_mlp():
             "comm_records": comm_records, "nested": nested, "restored": restored, "rank": dist.get_rank()}
 
 
+@pytest.mark.extras
 def test_explain_a_tp_mlp(dist):
     results = dist.run(4, _explain_tp_mlp)
     for rank, r in enumerate(results):
@@ -146,6 +150,7 @@ def test_the_check_is_off_by_default_and_on_from_the_environment(monkeypatch):
     assert comm.pre_issue_check() is None
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("value,on", [("1", True), ("0", False)])
 def test_the_environment_variable_is_read_when_shardwise_is_imported(value, on):
     """A fresh process that imports only ``shardwise.comm`` has the check on exactly when the
@@ -158,38 +163,85 @@ def test_the_environment_variable_is_read_when_shardwise_is_imported(value, on):
 
 
 # ---------------------------------------------------------------------- the trainer's --explain
-def _train_explained(argv: list[str]):
-    import contextlib
+# ``print(ex)`` draws with rich when it is installed (an optional extra), plain text otherwise. Each
+# printer is asserted on its own run, whatever is installed: the plain one with rich made
+# unimportable in the worker, the rich one when rich is there (.ci/run installs it for that test).
+_EXPLAIN_ARGV = ["--config", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--tp", "2",
+                 "--log-every", "1000", "--device", "cpu"]
+
+
+@contextlib.contextmanager
+def _without_rich():
+    """``import rich`` fails inside (as without the extra); rich's modules come back after."""
+    saved = {name: module for name, module in sys.modules.items() if name == "rich" or name.startswith("rich.")}
+    for name in saved:
+        del sys.modules[name]
+    sys.modules["rich"] = None  # the import system's "not installed"
+    try:
+        yield
+    finally:
+        del sys.modules["rich"]
+        sys.modules.update(saved)
+
+
+def _train_explained(argv: list[str]) -> dict:
+    """One tp=2 job trained three times on each rank: without --explain, with it printing plain
+    text (rich unimportable), and with rich when it is installed (else None)."""
     import io
 
     from shardwise.train import cli
     from shardwise.train.trainer import Runtime, train
 
-    runs = {}
-    for extra in ([], ["--explain"]):
+    def run(extra: list[str]) -> tuple[list[float], str]:
         job = cli.job_from_argv(argv + extra)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            runs[bool(extra)] = (train(job, Runtime.create(job)).losses, out.getvalue())
+            return train(job, Runtime.create(job)).losses, out.getvalue()
+
+    runs = {"off": run([])}
+    with _without_rich():
+        runs["plain"] = run(["--explain"])
+    runs["rich"] = run(["--explain"]) if importlib.util.find_spec("rich") is not None else None
     return runs
 
 
-def test_the_trainers_explain_prints_the_first_step_and_continues(dist):
-    argv = ["--config", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--tp", "2",
-            "--log-every", "1000", "--device", "cpu"]
-    runs = dist.run(2, _train_explained, argv)
+@pytest.fixture(scope="module")
+def explained_runs(dist) -> list[dict]:
+    """Every rank's ``_train_explained`` result, shared by the plain and the rich test."""
+    return dist.run(2, _train_explained, _EXPLAIN_ARGV)
+
+
+def _explained_tree(runs: list[dict], printer: str) -> str:
+    """Rank 0's printed explanation; checks what every rank printed and trained."""
     for rank, r in enumerate(runs):
-        (plain_losses, plain_out), (losses, out) = r[False], r[True]
+        (plain_losses, plain_out), (losses, out) = r["off"], r[printer]
         assert losses == plain_losses and len(losses) == 2  # explaining changes nothing, and training goes on
         assert "explain (rank" not in plain_out
-        if rank:
-            assert "explain (rank" not in out  # rank 0 only
-            continue
-        assert out.count("explain (rank 0): ") == 1  # the first step only
-        tree = out[out.index("explain (rank 0): "):]
-        assert re.search(r"^  Transformer\n", tree, re.M)
-        assert re.search(r"^        Transformer\.layers\.0\.attention\.wq\n          aten\.\w+", tree, re.M), tree[:3000]
-        assert re.search(r"all_reduce on tp: \d+", tree) and "(backward)" in tree
+        assert rank == 0 or "explain (rank" not in out  # rank 0 only
+    out = runs[0][printer][1]
+    assert out.count("explain (rank 0): ") == 1  # the first step only
+    return out[out.index("explain (rank 0): "):]
+
+
+@pytest.mark.e2e
+@pytest.mark.extras
+def test_the_trainers_explain_prints_the_first_step_and_continues(explained_runs):
+    tree = _explained_tree(explained_runs, "plain")
+    assert re.search(r"^  Transformer\n", tree, re.M)
+    assert re.search(r"^        Transformer\.layers\.0\.attention\.wq\n          aten\.\w+", tree, re.M), tree[:3000]
+    assert re.search(r"all_reduce on tp: \d+", tree) and "(backward)" in tree
+
+
+@pytest.mark.e2e
+@pytest.mark.extras
+def test_the_trainers_explain_draws_with_rich_when_it_is_installed(explained_runs):
+    require_extra("rich")
+    assert all(r["rich"] is not None for r in explained_runs), "rich is installed here but not in the workers"
+    tree = _explained_tree(explained_runs, "rich")
+    assert "\n  Transformer\n" not in tree  # not the plain printer
+    assert re.search(r"^(?:[│ ] {3})*[├└]── Transformer\.layers\.0\.attention\.wq$", tree, re.M), tree[:3000]
+    assert re.search(r"[├└]── aten\.\w+", tree) and re.search(r"[├└]── all_reduce on tp: \d+", tree)
+    assert "(backward)" in tree
 
 
 # ---------------------------------------------------------------------- the timeout's history

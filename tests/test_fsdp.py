@@ -1,8 +1,8 @@
 """fully_shard: parity with single-device training, collectives per group, memory, bad input.
 
-Every distributed body trains a copy of the same seeded model on its slice of a global batch;
-the reference trains the same model on the whole batch in one process. Uneven sizes are on
-purpose: hidden size 7 and output size 3 over 4 ranks leave short and EMPTY shards.
+Every distributed body trains a copy of the same seeded model (tests/toy_net.py) on its slice of
+a global batch; the reference trains the same model on the whole batch in one process. Uneven
+sizes are on purpose: hidden size 7 and output size 3 over 4 ranks leave short and EMPTY shards.
 """
 
 from __future__ import annotations
@@ -24,125 +24,31 @@ from shardwise.fsdp import (
     UnshardedMemory,
     fully_shard,
 )
-
-STEPS = 5
-BATCH = 8
-D_IN, D, H, D_OUT = 5, 6, 7, 3
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, blocks: int = 4) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D_IN, D)
-        self.layers = nn.ModuleList(Block(D, H) for _ in range(blocks))
-        self.head = nn.Linear(D, D_OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def _model(blocks: int = 4) -> Net:
-    torch.manual_seed(0)
-    return Net(blocks)
-
-
-def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_OUT, generator=g)
-
-
-def _optimizer(params, foreach: bool = True) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=0.02, weight_decay=0.1, foreach=foreach)
-
-
-def _reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model()
-    opt = _optimizer(model.parameters())
-    losses = []
-    for step in range(steps):
-        x, y = _data(step)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _shard_model(model: Net, mesh, **kwargs) -> Net:
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, **kwargs)
-    return fully_shard(model, mesh=mesh, **kwargs)
-
-
-def _local_batch(step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = _data(step)
-    n = BATCH // dp_size
-    return x[dp_rank * n : (dp_rank + 1) * n], y[dp_rank * n : (dp_rank + 1) * n]
-
-
-def _train(model, dp_rank: int, dp_size: int, foreach: bool = True, steps: int = STEPS):
-    """Train ``steps`` AdamW steps; returns local losses and full parameters by name."""
-    opt = _optimizer(model.parameters(), foreach)
-    losses = []
-    for step in range(steps):
-        x, y = _local_batch(step, dp_rank, dp_size)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        model.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.full_tensor() for n, p in model.named_parameters()}
-
-
-def _check_parity(per_rank, dp_of_rank, dp_size: int) -> None:
-    ref_losses, ref_params = _reference()
-    for step in range(STEPS):
-        # each dp rank's loss is the mean over its equal slice: the global loss is their mean
-        seen = {dp_of_rank(r): losses[step] for r, (losses, _) in enumerate(per_rank)}
-        got = sum(seen.values()) / dp_size
-        assert abs(got - ref_losses[step]) <= 1e-5 * max(1.0, abs(ref_losses[step])), (step, got, ref_losses[step])
-    for _, params in per_rank:
-        assert params.keys() == ref_params.keys()
-        for name, want in ref_params.items():
-            torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6, msg=name)
+from tests import toy_net as toy
 
 
 # ---------------------------------------------------------------------- FSDP parity
 def _fsdp_parity():
     mesh = sw.init_device_mesh("cpu", (4,))
-    model = _shard_model(_model(), mesh)
+    model = toy.shard_model(toy.net(), mesh)
     layouts = {n: (type(p).__name__, isinstance(p, DTensor), p.placements, tuple(p._local_tensor.shape))
                for n, p in model.named_parameters()}
-    losses, params = _train(model, mesh.get_local_rank(), 4)
+    losses, params = toy.train(model, mesh.get_local_rank(), 4)
     state = {k: (isinstance(v, DTensor), v.placements) for k, v in model.state_dict().items()}
     return (losses, params), layouts, isinstance(model, FSDPModule), state
 
 
 def test_fsdp_matches_single_device_training(dist):
     out = dist.run(4, _fsdp_parity)
-    _check_parity([o[0] for o in out], lambda r: r, 4)
-    names = [n for n, _ in _model().named_parameters()]
+    toy.check_parity([o[0] for o in out], lambda r: r, 4)
+    names = [n for n, _ in toy.net().named_parameters()]
     for rank, (_, layouts, is_fsdp, state) in enumerate(out):
         assert is_fsdp and list(state) == names  # state_dict: same keys, sharded DTensors
         assert set(state.values()) == {(True, (Shard(0),))}
         assert all(is_dt and placements == (Shard(0),) for _, is_dt, placements, _ in layouts.values())
         # bias of 3 rows over 4 ranks: 1, 1, 1, 0 (rank 3 holds an EMPTY shard); 7 rows: 2, 2, 2, 1
         assert layouts["head.bias"][3] == ((1,) if rank < 3 else (0,))
-        assert layouts["layers.0.up.weight"][3] == ((2, D) if rank < 3 else (1, D))
+        assert layouts["layers.0.up.weight"][3] == ((2, toy.D) if rank < 3 else (1, toy.D))
 
 
 # ---------------------------------------------------------------------- flat layout (pure)
@@ -173,8 +79,8 @@ def test_flat_layout_round_trips_uneven_and_empty_shards():
 # ---------------------------------------------------------------------- collectives per group
 def _counts(reshard_after_forward: bool | None):
     mesh = sw.init_device_mesh("cpu", (4,))
-    model = _shard_model(_model(), mesh, reshard_after_forward=reshard_after_forward)
-    x, y = _local_batch(0, mesh.get_local_rank(), 4)
+    model = toy.shard_model(toy.net(), mesh, reshard_after_forward=reshard_after_forward)
+    x, y = toy.local_batch(0, mesh.get_local_rank(), 4)
     with CommDebugMode() as fwd:
         out = model(x)
     loss = nn.functional.mse_loss(out, y)
@@ -207,31 +113,31 @@ def _accumulate_and_eval():
     from shardwise.parallel.data_parallel.memory import live_bytes
 
     mesh = sw.init_device_mesh("cpu", (4,))
-    model = _shard_model(_model(), mesh)
+    model = toy.shard_model(toy.net(), mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
     rank = mesh.get_local_rank()
     for step in range(2):
-        x, y = _local_batch(step, rank, 4)
+        x, y = toy.local_batch(step, rank, 4)
         for micro in range(2):  # two backward passes per step, gradients accumulate
             nn.functional.mse_loss(model(x[micro : micro + 1]), y[micro : micro + 1]).div(2).backward()
         opt.step()
         model.zero_grad()
     with torch.no_grad():
-        evaluated = model(_data(9)[0])
+        evaluated = model(toy.data(9)[0])
     grads_cleared = all(p.grad is None for p in model.parameters())
     return evaluated, {n: p.full_tensor() for n, p in model.named_parameters()}, grads_cleared, live_bytes()
 
 
 def test_gradient_accumulation_sgd_and_no_grad_eval(dist):
-    model = _model()
+    model = toy.net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
     for step in range(2):
-        x, y = _data(step)
+        x, y = toy.data(step)
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
-        want_eval = model(_data(9)[0])
+        want_eval = model(toy.data(9)[0])
     for evaluated, params, grads_cleared, live in dist.run(4, _accumulate_and_eval):
         torch.testing.assert_close(evaluated, want_eval, rtol=1e-5, atol=1e-6)
         for name, p in model.named_parameters():
@@ -252,13 +158,13 @@ def _no_sync_accumulation(shape: tuple[int, ...]):
     on a 2-D mesh (HSDP) as well. Returns the parameters, and the collectives of each backward."""
     names = ("replicate", "shard") if len(shape) == 2 else None
     mesh = sw.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model = _shard_model(_model(), mesh)
+    model = toy.shard_model(toy.net(), mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rank, counts, grads_untouched = dist.get_rank(), [], True
     for step in range(2):
         for micro in range(MICRO):
             model.set_requires_gradient_sync(micro == MICRO - 1)
-            x, y = _local_batch(step * MICRO + micro, rank, 4)
+            x, y = toy.local_batch(step * MICRO + micro, rank, 4)
             loss = nn.functional.mse_loss(model(x), y) / MICRO
             with CommDebugMode() as comms:
                 loss.backward()
@@ -275,11 +181,11 @@ def _no_sync_accumulation(shape: tuple[int, ...]):
 
 
 def test_set_requires_gradient_sync_reduces_accumulated_grads_once(dist):
-    model = _model()
+    model = toy.net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(2):
         for micro in range(MICRO):
-            x, y = _data(step * MICRO + micro)
+            x, y = toy.data(step * MICRO + micro)
             (nn.functional.mse_loss(model(x), y) / MICRO).backward()
         opt.step()
         opt.zero_grad()
@@ -299,19 +205,19 @@ def test_set_requires_gradient_sync_reduces_accumulated_grads_once(dist):
 # ---------------------------------------------------------------------- HSDP
 def _hsdp_parity():
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = _shard_model(_model(), mesh)
+    model = toy.shard_model(toy.net(), mesh)
     placements = {p.placements for p in model.parameters()}
-    x, y = _local_batch(0, dist.get_rank(), 4)
+    x, y = toy.local_batch(0, dist.get_rank(), 4)
     with CommDebugMode() as comms:
         nn.functional.mse_loss(model(x), y).backward()
     model.zero_grad()
     kinds = sorted({(r.kind, r.mesh.axis_name(r.axis)) for r in comms.records})
-    return _train(model, dist.get_rank(), 4), placements, comms.get_comm_counts(), kinds
+    return toy.train(model, dist.get_rank(), 4), placements, comms.get_comm_counts(), kinds
 
 
 def test_hsdp_matches_single_device_training(dist):
     out = dist.run(4, _hsdp_parity)
-    _check_parity([o[0] for o in out], lambda r: r, 4)  # every rank is its own data-parallel rank
+    toy.check_parity([o[0] for o in out], lambda r: r, 4)  # every rank is its own data-parallel rank
     for _, placements, counts, kinds in out:
         assert placements == {(Replicate(), Shard(0))}
         # 5 gathers in forward, 4 in backward: the root keeps its parameters after forward (the
@@ -339,13 +245,13 @@ def _fsdp_tp_parity(hsdp: bool):
         mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp_mesh, shard_axis = mesh["dp"], "dp"
     model = sw.distribute_module(
-        _model(),
+        toy.net(),
         mesh["tp"],
         partition_fn=_tp_partition,
         input_fn=lambda mod, inputs, m: (DTensor.from_local(inputs[0], m, [Replicate()]),),
         output_fn=lambda mod, out, m: out.redistribute(m, [Replicate()]).to_local(),
     )
-    _shard_model(model, dp_mesh)
+    toy.shard_model(model, dp_mesh)
     seen = []
     model.layers[0].up.register_forward_hook(
         lambda mod, args, out: seen.append((type(mod.weight).__name__, mod.weight.device_mesh.mesh_dim_names, mod.weight.placements))
@@ -355,17 +261,17 @@ def _fsdp_tp_parity(hsdp: bool):
         for n, p in model.named_parameters()
     }
     dp_rank = mesh.get_local_rank(shard_axis)
-    x, _ = _local_batch(0, dp_rank, 2)
+    x, _ = toy.local_batch(0, dp_rank, 2)
     with CommDebugMode() as comms:
         model(x)
     gathers = sum(1 for r in comms.records if r.kind == "all_gather" and r.mesh.axis_name(r.axis) == shard_axis)
-    return _train(model, dp_rank, 2), layouts, seen[0], gathers
+    return toy.train(model, dp_rank, 2), layouts, seen[0], gathers
 
 
 @pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp_tp", "hsdp_tp"])
 def test_fsdp_with_tensor_parallel_matches_single_device_training(dist, hsdp):
     out = dist.run(4, _fsdp_tp_parity, hsdp)
-    _check_parity([o[0] for o in out], lambda r: r // 2, 2)  # tp is the last axis: dp = rank // 2
+    toy.check_parity([o[0] for o in out], lambda r: r // 2, 2)  # tp is the last axis: dp = rank // 2
     dp = {"dp_replicate": Replicate(), "dp_shard": Shard(0)} if hsdp else {"dp": Shard(0)}
     names = ("tp", *dp)  # TP cut the global tensor first, FSDP cuts dim 0 of the TP block
     for _, layouts, seen, gathers in out:
@@ -381,20 +287,20 @@ def test_fsdp_with_tensor_parallel_matches_single_device_training(dist, hsdp):
 def _mixed_precision():
     mesh = sw.init_device_mesh("cpu", (4,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = _shard_model(_model(), mesh, mp_policy=policy)
+    model = toy.shard_model(toy.net(), mesh, mp_policy=policy)
     seen = []
     model.layers[0].up.register_forward_hook(lambda mod, args, out: seen.append((mod.weight.dtype, args[0].dtype, out.dtype)))
-    x, y = _local_batch(0, mesh.get_local_rank(), 4)
+    x, y = toy.local_batch(0, mesh.get_local_rank(), 4)
     nn.functional.mse_loss(model(x).float(), y).backward()
     grads = {n: (p.grad.dtype, p.grad.full_tensor()) for n, p in model.named_parameters()}
-    _optimizer(model.parameters()).step()
+    toy.optimizer(model.parameters()).step()
     kept = {(p.dtype, p._local_tensor.dtype) for p in model.parameters()}
     return seen, grads, kept
 
 
 def test_mixed_precision_computes_in_bf16_and_reduces_fp32_grads(dist):
-    model = _model()
-    x, y = _data(0)
+    model = toy.net()
+    x, y = toy.data(0)
     nn.functional.mse_loss(model(x), y).backward()
     for seen, grads, kept in dist.run(4, _mixed_precision):
         assert seen == [(torch.bfloat16, torch.bfloat16, torch.bfloat16)]
@@ -412,7 +318,7 @@ class Stack(nn.Module):
 
     def __init__(self, blocks: int, d: int, h: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Block(d, h) for _ in range(blocks))
+        self.layers = nn.ModuleList(toy.Block(d, h) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -552,17 +458,17 @@ class Checkpointed(nn.Module):
 
 def _checkpointed_grads():
     mesh = sw.init_device_mesh("cpu", (4,))
-    model = _model()
+    model = toy.net()
     model.layers = nn.ModuleList(Checkpointed(layer) for layer in model.layers)
-    _shard_model(model, mesh)
-    x, y = _local_batch(0, mesh.get_local_rank(), 4)
+    toy.shard_model(model, mesh)
+    x, y = toy.local_batch(0, mesh.get_local_rank(), 4)
     nn.functional.mse_loss(model(x), y).backward()
     return {n.replace(".inner", ""): p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
 def test_activation_checkpointing_recomputes_with_gathered_parameters(dist):
-    model = _model()
-    x, y = _data(0)
+    model = toy.net()
+    x, y = toy.data(0)
     nn.functional.mse_loss(model(x), y).backward()
     for grads in dist.run(4, _checkpointed_grads):
         for name, p in model.named_parameters():
@@ -620,7 +526,7 @@ def _one_row_steps():
         fully_shard(model, mesh=mesh)
         opt = make(model.parameters())
         for step in range(2):
-            x, y = _local_batch(step, mesh.get_local_rank(), 4)
+            x, y = toy.local_batch(step, mesh.get_local_rank(), 4)
             nn.functional.mse_loss(model(x), y[:, :1]).backward()
             opt.step()
             opt.zero_grad()
@@ -644,7 +550,7 @@ def test_optimizers_step_parameters_whose_shards_are_empty_on_some_ranks(dist):
             model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 1))
             opt = _ONE_ROW_OPTIMIZERS[name](model.parameters())
             for step in range(2):
-                x, y = _data(step)
+                x, y = toy.data(step)
                 nn.functional.mse_loss(model(x), y[:, :1]).backward()
                 opt.step()
                 opt.zero_grad()

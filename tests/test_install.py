@@ -25,6 +25,10 @@ import tempfile
 
 import torch
 
+# Launched processes: the e2e tier (tests/conftest.py). Not a pytest marker: this file also runs
+# as a script, which must not need pytest (test_install.py: only declared dependencies importable).
+E2E_TESTS = ("test_library_runs_with_only_declared_dependencies",)
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SRC = REPO / "src" / "shardwise"
 
@@ -83,6 +87,13 @@ def test_import_walker_sees_required_and_optional_imports():
                      "def g():\n    import h\n")
     assert sorted((m, o) for m, _, o in _imports(tree)) == [
         ("a", False), ("c", False), ("e", True), ("f", False), ("h", False)]
+
+
+def test_ci_installs_every_optional_import_for_the_extras_step():
+    """.ci/run's extras step installs exactly the modules the library imports only optionally."""
+    optional = {m for m, places in _third_party_imports().items() if all(o for _, o in places)}
+    line = next(ln for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.startswith("OPTIONAL_EXTRAS="))
+    assert set(line.partition("=")[2].strip('"').split()) == optional, (line, sorted(optional))
 
 
 # ------------------------------------------------------------------ dynamic: a README install

@@ -206,6 +206,7 @@ def _no_tracebacks_but(job: Job, rank: int | None, launcher_may_print: bool = Fa
 
 
 # ---------------------------------------------------------------------- item 2: one rank fails
+@pytest.mark.e2e
 def test_a_rank_raising_ends_the_trainer_job_at_once_naming_it(job):
     """Old: rank 1 blocked in close_process_group's barrier (a finally), rank 0 in its next
     collective: no output and no exit until gloo's 30-minute timeout."""
@@ -218,6 +219,7 @@ def test_a_rank_raising_ends_the_trainer_job_at_once_naming_it(job):
     job.assert_nothing_left()
 
 
+@pytest.mark.e2e
 def test_a_rank_raising_under_torchrun_ends_the_job_at_once(job):
     """The worker side alone (torchrun is the launcher): the failing rank exits at once, the
     waiting one stays silent until torchrun stops it."""
@@ -229,6 +231,7 @@ def test_a_rank_raising_under_torchrun_ends_the_job_at_once(job):
     job.assert_nothing_left()
 
 
+@pytest.mark.e2e
 def test_a_worker_receiving_sigint_alone_ends_the_job_naming_it(job):
     """The issue's reproduction of item 2: SIGINT to one worker at step 3."""
     status, took = job.finish(job.fault_time(), ENDS_WITHIN_S)
@@ -238,6 +241,7 @@ def test_a_worker_receiving_sigint_alone_ends_the_job_naming_it(job):
     job.assert_nothing_left()
 
 
+@pytest.mark.e2e
 def test_a_rank_killed_without_a_word_is_named(job):
     """SIGKILL (the OOM killer): no report from it; its peers' lost connections are not
     mistaken for the cause."""
@@ -249,6 +253,7 @@ def test_a_rank_killed_without_a_word_is_named(job):
 
 
 # ---------------------------------------------------------------------- item 3: Ctrl-C
+@pytest.mark.e2e
 def test_ctrl_c_stops_the_trainer_with_one_line_naming_step_and_checkpoint(job, started):
     """Old: up to 30 s of silence (when the barrier deadlocks until the agent's SIGKILL), then
     pages of KeyboardInterrupt tracebacks and 'FAILED: launcher error'."""
@@ -272,6 +277,7 @@ def test_ctrl_c_stops_the_trainer_with_one_line_naming_step_and_checkpoint(job, 
     job.assert_nothing_left()
 
 
+@pytest.mark.e2e
 def test_ctrl_c_under_torchrun_stops_every_worker_with_one_line(job):
     job.wait_for(r"^step 5$")
     sent = time.time()
@@ -284,6 +290,7 @@ def test_ctrl_c_under_torchrun_stops_every_worker_with_one_line(job):
     job.assert_nothing_left()
 
 
+@pytest.mark.e2e
 def test_ctrl_c_stops_a_one_process_run_with_one_line(job):
     """Old: a KeyboardInterrupt traceback and status -2."""
     job.wait_for(r"^step +3/")
@@ -296,6 +303,7 @@ def test_ctrl_c_stops_a_one_process_run_with_one_line(job):
 
 
 # ---------------------------------------------------------------------- item 4: collective timeout
+@pytest.mark.e2e
 def test_a_stalled_rank_is_named_after_the_collective_timeout(job):
     """Three ranks; rank 1 sleeps before an all_reduce over ranks 0 and 1 (a group from
     new_group, whose own default timeout is gloo's 30 minutes); rank 2 idles. Old: rank 0
@@ -313,6 +321,7 @@ def test_a_stalled_rank_is_named_after_the_collective_timeout(job):
     job.assert_nothing_left()
 
 
+@pytest.mark.e2e
 def test_the_trainers_collective_timeout_names_a_stalled_rank(job):
     """--collective-timeout reaches the trainer's process group (gloo's default: 30 minutes)."""
     status, took = job.finish(job.fault_time(), TIMEOUT_S + stall.grace_seconds(TIMEOUT_S) + ENDS_WITHIN_S)
@@ -325,6 +334,7 @@ def test_the_trainers_collective_timeout_names_a_stalled_rank(job):
 
 
 # ---------------------------------------------------------------------- item 8: non-finite loss
+@pytest.mark.e2e
 def test_a_non_finite_loss_stops_every_rank_at_the_same_step(job):
     """--lr inf: the first update makes the weights inf, the loss of step 2 is nan. Old: the
     run trained to its end on nan and exited 0. The shell's stray LOCAL_RANK and RANK do not

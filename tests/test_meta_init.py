@@ -10,6 +10,7 @@ its model this way; its first losses equal a one-process run of the model built 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardwise.train import cli
@@ -238,6 +239,7 @@ def _train_with(build, argv: list[str]) -> list[float]:
         trainer.build_model = saved
 
 
+@pytest.mark.e2e
 def test_debug_config_initialized_on_meta_gives_the_one_process_losses(dist):
     want = _train_with(_built_whole, DEBUG)
     per_rank = dist.run(4, _train_with, _built_on_meta, DEBUG + ["--nproc", "4", "--dp-shard", "2", "--tp", "2"],

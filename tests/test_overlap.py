@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard
 from shardwise.fsdp import fully_shard
-from tests.test_fsdp import Block
+from tests.toy_net import Block
 
 SRC = Path(sw.__file__).resolve().parent  # the code under test
 

@@ -160,6 +160,7 @@ def block_runs(request, tmp_path_factory):
             future.cancel()  # after a failed test under -x: queued jobs do not start
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"line{b.line}-{b.kind}" for b in RUNNABLE])
 def test_readme_block_runs(block, block_runs):
     if block.lang != "python":

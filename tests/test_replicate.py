@@ -9,28 +9,28 @@ from shardwise import Replicate
 from shardwise.debug import CommDebugMode
 from shardwise.fsdp import replicate
 from shardwise.parallel.data_parallel.buckets import plan_buckets
-from tests.test_fsdp import _check_parity, _local_batch, _model, _train
+from tests import toy_net as toy
 
 
 def _replicate_parity(bucket_cap_mb: float):
     mesh = sw.init_device_mesh("cpu", (4,))
-    model = replicate(_model(), mesh=mesh, bucket_cap_mb=bucket_cap_mb)
+    model = replicate(toy.net(), mesh=mesh, bucket_cap_mb=bucket_cap_mb)
     layouts = {(type(p).__name__, p.placements) for p in model.parameters()}
-    x, y = _local_batch(0, mesh.get_local_rank(), 4)
+    x, y = toy.local_batch(0, mesh.get_local_rank(), 4)
     loss = nn.functional.mse_loss(model(x), y)
     with CommDebugMode() as comms:
         loss.backward()
     model.zero_grad()
-    return _train(model, mesh.get_local_rank(), 4), layouts, comms.get_comm_counts()
+    return toy.train(model, mesh.get_local_rank(), 4), layouts, comms.get_comm_counts()
 
 
 def test_replicate_matches_single_device_training_with_bucketed_all_reduce(dist):
-    sizes = [p.numel() * p.element_size() for p in _model().parameters()]
+    sizes = [p.numel() * p.element_size() for p in toy.net().parameters()]
     for cap_mb in (25.0, 300 / 2**20):  # the default cap, and ~300 bytes: a few parameters per bucket
         buckets = len(plan_buckets(sizes, ["f32"] * len(sizes), int(cap_mb * 2**20)))
         assert buckets == 1 if cap_mb == 25.0 else 1 < buckets < len(sizes)
         out = dist.run(4, _replicate_parity, cap_mb)
-        _check_parity([o[0] for o in out], lambda r: r, 4)
+        toy.check_parity([o[0] for o in out], lambda r: r, 4)
         for _, layouts, counts in out:
             assert layouts == {("DTensor", (Replicate(),))}
             assert counts == {"all_reduce": buckets}  # one collective per bucket, not per parameter
@@ -44,11 +44,11 @@ def test_bucket_plan_walks_parameters_backwards_and_splits_on_cap_and_dtype():
 
 def _replicate_twice():
     mesh = sw.init_device_mesh("cpu", (4,))
-    replicate(replicate(_model(), mesh=mesh), mesh=mesh)
+    replicate(replicate(toy.net(), mesh=mesh), mesh=mesh)
 
 
 def _replicate_on_2d_mesh():
-    replicate(_model(), mesh=sw.init_device_mesh("cpu", (2, 2)))
+    replicate(toy.net(), mesh=sw.init_device_mesh("cpu", (2, 2)))
 
 
 def test_replicate_bad_input_raises_on_every_rank(dist):

@@ -1,94 +1,74 @@
-"""--simulate against real runs: bytes per mesh axis equal, peak memory within 1% (debug config, 4 ranks;
-FSDP, TP, FSDP+TP, HSDP, pipeline (1F1B, GPipe) with FSDP, context parallel with FSDP).
+"""--simulate against real runs: bytes per mesh axis equal, peak memory within 1% (debug config, 4
+ranks: FSDP, TP, FSDP+TP, HSDP, pipeline (1F1B, GPipe) with FSDP, context parallel with FSDP; 8
+ranks for the three-axis layouts only: HSDP+TP and the pipelined and context-parallel FSDP+TP jobs).
 
-The real side runs the trainer's own loop (``trainer.train``, two steps, the second measured
-with CommDebugMode and the live-storage tracker) on 4 gloo ranks; the simulated side runs
-``shardwise.simulate.simulate_job`` in the test process (no workers) for the same job.
+The real side runs the trainer's own loop (``trainer.train``, two steps, the second measured with
+CommDebugMode and the live-storage tracker as ``--metrics-file`` measures it) on the gloo pools;
+the simulated side runs ``shardwise.simulate.simulate_job`` in the test process (no workers) for
+the same job. Not the parity job's runs (tests/helpers.py, tiny config): at 1% a peak check needs
+activations that are a small part of the peak. At tiny one activation is 1-2% of a rank's peak
+(16,384 B on GPipe's stage 0, 1.16%, which the simulation does not predict: an open gap); at the
+debug config 0.3-0.6%.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from shardwise.simulate.symmetry import ParamLayout, rank_classes
 from shardwise.core.placement import Replicate, Shard
+from shardwise.simulate.symmetry import ParamLayout, rank_classes
+from tests.helpers import layout_id, train_run
 
-LAYOUTS = {
-    "fsdp": dict(dp_shard=4),
-    "tp": dict(tp=4),
-    "fsdp_tp": dict(dp_shard=2, tp=2),
-    "hsdp": dict(dp_replicate=2, dp_shard=2),
-    "pp_1f1b": dict(pp=2, dp_shard=2),  # the pipeline's sends are counted on the pp axis
-    "pp_gpipe": dict(pp=2, dp_shard=2, pp_schedule="gpipe"),
-    "cp": dict(cp=2, dp_shard=2),
-}
-JOB = dict(config="debug", nproc=4, steps=2, global_batch=4, seq_len=64, device="cpu", warmup=1)
-
-
-# 8 ranks: FSDP, FSDP+TP, HSDP+TP, and the 4-D layouts (every axis of a pipelined or
-# context-parallel FSDP+TP job at once).
-LAYOUTS_8 = {
-    "fsdp": dict(dp_shard=8),
-    "tp_fsdp": dict(dp_shard=4, tp=2),
-    "hsdp_tp": dict(dp_replicate=2, dp_shard=2, tp=2),
-    "pp_fsdp_tp": dict(pp=2, dp_shard=2, tp=2),
-    "cp_fsdp_tp": dict(cp=2, dp_shard=2, tp=2),
-}
+JOB = ["--config", "debug", "--steps", "2", "--global-batch", "4", "--seq-len", "64", "--warmup", "1",
+       "--device", "cpu"]
+LAYOUTS = [
+    (4, ["--dp-shard", "4"]),
+    (4, ["--tp", "4"]),
+    (4, ["--tp", "2", "--dp-shard", "2"]),
+    (4, ["--dp-replicate", "2", "--dp-shard", "2"]),
+    (4, ["--pp", "2", "--dp-shard", "2"]),  # the pipeline's sends are counted on the pp axis
+    (4, ["--pp", "2", "--dp-shard", "2", "--pp-schedule", "gpipe"]),
+    (4, ["--cp", "2", "--dp-shard", "2"]),
+    (8, ["--dp-replicate", "2", "--dp-shard", "2", "--tp", "2"]),
+    (8, ["--pp", "2", "--dp-shard", "2", "--tp", "2"]),
+    (8, ["--cp", "2", "--dp-shard", "2", "--tp", "2"]),
+]
 
 
-def _real(layouts: dict, base: dict = JOB) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from shardwise.core.mesh import DeviceMesh
-    from shardwise.train.config import JobConfig
-    from shardwise.train.trainer import Runtime, train
-
-    torch.set_num_threads(1)
-    out = {}
-    flat = DeviceMesh("cpu", list(range(dist.get_world_size())), mesh_dim_names=("world",))
-    for name, degrees in layouts.items():
-        job = JobConfig(**base, **degrees, metrics_file="unused.json")
-        dims = job.parallel_dims()
-        runtime = Runtime(torch.device("cpu"), dist.get_rank(), dist.get_world_size(), dims, dims.build_mesh("cpu"), flat)
-        out[name] = train(job, runtime).per_rank
-    return out
+@pytest.mark.e2e
+@pytest.mark.parametrize("nproc,flags", LAYOUTS, ids=layout_id)
+def test_simulate_matches_the_real_run(dist, nproc, flags):
+    argv = JOB + ["--nproc", str(nproc), *flags]
+    per_rank = dist.run(nproc, train_run, argv, True, timeout=300)  # measured
+    _compare(per_rank[0]["per_rank"], argv)
 
 
-def test_simulate_matches_real_runs(dist):
-    _compare(dist.run(4, _real, LAYOUTS, timeout=300)[0], LAYOUTS, JOB)
-
-
-def test_simulate_matches_real_runs_on_eight_ranks(dist):
-    job = dict(JOB, nproc=8, global_batch=8)
-    _compare(dist.run(8, _real, LAYOUTS_8, job, timeout=300)[0], LAYOUTS_8, job)
-
-
-def _compare(real: dict, layouts: dict, job: dict) -> None:
+def _compare(real: list[dict], argv: list[str]) -> None:
     """Each rank's simulated figures against the real run's: bytes, counts and state exact, peak within 1%.
 
     1%, because 5% once hid a real gap on the last pipeline stage (1.45% at the debug config, 11%
     at tiny4: torch's schedule kept every microbatch's logits to return them, unused, and the
     simulation dropped a stage's output before its backward, which torch's stages keep; 0.72%
     each). Simulated and real peaks now agree to 4 bytes in most runs, but a real run can hold
-    one activation more (131,072 B, 0.6%, seen once on fsdp_tp under the full suite). Not
-    traced; Python's garbage collector plays no part (same peaks with it off or collecting
-    constantly), so probably a tensor that gloo's background work holds until it finishes.
+    one activation more (131,072 B, 0.6%, seen once on fsdp_tp under the full suite). Not traced;
+    Python's garbage collector plays no part (same peaks with it off or collecting constantly), so
+    probably a tensor that gloo's background work holds until it finishes.
     """
     from shardwise.simulate import simulate_job
-    from shardwise.train.config import JobConfig
+    from shardwise.train import cli
 
-    for name, degrees in layouts.items():
-        simulated = simulate_job(JobConfig(**job, **degrees)).per_rank
-        assert [m.rank for m in simulated] == list(range(job["nproc"]))
-        for sim, measured in zip(simulated, real[name]):
-            assert sim.comm_bytes_per_step == measured["comm_bytes_per_step"] > 0, name
-            assert sim.comm_bytes_by_axis == measured["comm_bytes_by_axis"], name
-            assert sim.collectives_per_step == measured["collectives_per_step"], name
-            assert (sim.param_bytes, sim.grad_bytes, sim.optimizer_bytes) == (
-                measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"]), name
-            assert abs(sim.peak_memory_bytes - measured["peak_memory_bytes"]) <= 0.01 * measured["peak_memory_bytes"], (
-                name, sim.peak_memory_bytes, measured["peak_memory_bytes"])
+    job = cli.job_from_argv(argv)
+    simulated = simulate_job(job).per_rank
+    name = job.layout()
+    assert [m.rank for m in simulated] == list(range(job.nproc)) and len(real) == job.nproc
+    for sim, measured in zip(simulated, real):
+        assert sim.comm_bytes_per_step == measured["comm_bytes_per_step"] > 0, name
+        assert sim.comm_bytes_by_axis == measured["comm_bytes_by_axis"], name
+        assert sim.collectives_per_step == measured["collectives_per_step"], name
+        assert (sim.param_bytes, sim.grad_bytes, sim.optimizer_bytes) == (
+            measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"]), name
+        assert abs(sim.peak_memory_bytes - measured["peak_memory_bytes"]) <= 0.01 * measured["peak_memory_bytes"], (
+            name, sim.rank, sim.peak_memory_bytes, measured["peak_memory_bytes"])
 
 
 def test_rank_classes_split_uneven_shards_only():
@@ -111,6 +91,7 @@ def test_simulated_world_refuses_a_bad_rank():
             pass
 
 
+@pytest.mark.e2e
 def test_simulate_cli_writes_per_rank_metrics(tmp_path):
     import json
     import os
@@ -151,4 +132,4 @@ def test_pipeline_schedule_order_in_flight():
     from shardwise.train.config import ConfigError, JobConfig
 
     with pytest.raises(ConfigError, match="--pp-schedule interleaved_1f1b"):  # refused before any rank is played
-        simulate_job(JobConfig(**JOB, pp=2, dp_shard=2, pp_schedule="interleaved_1f1b"))
+        simulate_job(JobConfig(config="debug", nproc=4, pp=2, dp_shard=2, pp_schedule="interleaved_1f1b"))

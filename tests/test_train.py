@@ -1,7 +1,8 @@
 """The trainer: every parallel layout trains to the losses of one process; bad jobs are refused.
 
 Parity runs the trainer's own ``train`` on the gloo worker pools (no process start-up per
-layout); the reference is a one-process run in the test process. One end-to-end run goes
+layout), each layout once per session (``trainer_runs``, shared with the other modules that check
+the same run); the reference is a one-process run in the test process. One end-to-end run goes
 through the command line as a subprocess (launching, progress, metrics file, plot), and bad
 jobs are checked through the CLI entry point: one ``error:`` line, exit status 2, no traceback,
 refused before any worker starts.
@@ -9,13 +10,9 @@ refused before any worker starts.
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,40 +22,12 @@ from shardwise.train.config import JobConfig
 from shardwise.train.data import BatchSource, load_corpus
 from shardwise.train.models.llama import CONFIGS, Transformer, tp_plans
 from shardwise.train.plot import render_loss_png
-
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 6
-BASE = ["--config", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--seq-len", "32",
-        "--lr", "3e-3", "--warmup", "2", "--seed", "7", "--log-every", "1000"]
-RTOL = 1e-5
+from tests.helpers import BASE, STEPS, assert_parity, cli_job, cli_run, layout_id, refusal_in_launcher, search
 
 
 # ---------------------------------------------------------------------- parity
-def _losses(argv: list[str]) -> list[float]:
-    """On every rank of a pool: train the job; the globally averaged losses."""
-    from shardwise.train.trainer import Runtime, train
-
-    job = cli.job_from_argv(argv)
-    return train(job, Runtime.create(job)).losses
-
-
-@functools.cache
-def one_process_losses(argv: tuple[str, ...]) -> tuple[float, ...]:
-    """Losses of the one-process run of ``argv`` (this process, no process group); computed
-    once per session, for every module that compares with it."""
-    from shardwise.train.trainer import Runtime, train
-
-    job = cli.job_from_argv(list(argv))
-    assert Runtime.create(job).world_mesh is None
-    return tuple(train(job, Runtime.create(job)).losses)
-
-
-def _assert_parity(got: list[float], want: list[float], layout: str) -> None:
-    assert len(got) == len(want) == STEPS, (layout, got)
-    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
-    assert worst < RTOL, f"{layout}: losses {got} differ from one process {want} (max rel {worst:.2e})"
-
-
+# 8 ranks only where three mesh axes are needed. The FSDP run's state bytes are checked by
+# tests/test_train_metrics.py: the same run (``trainer_runs``).
 LAYOUTS = [
     (4, ["--tp", "2", "--dp-shard", "2"]),
     (4, ["--dp-shard", "4"]),
@@ -71,21 +40,20 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("nproc,flags", LAYOUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
-def test_layout_trains_to_the_one_process_losses(dist, reference, nproc, flags):
-    per_rank = dist.run(nproc, _losses, BASE + ["--nproc", str(nproc), *flags], timeout=240)
-    assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the global loss"
-    _assert_parity(per_rank[0], reference, " ".join(flags))
+@pytest.mark.parametrize("nproc,flags", LAYOUTS, ids=layout_id)
+def test_layout_trains_to_the_one_process_losses(trainer_runs, reference, nproc, flags):
+    assert_parity(trainer_runs.losses(nproc, flags), reference, " ".join(flags))
     assert reference[-1] < reference[0], "the reference run does not learn"
 
 
-def test_mixed_precision_stays_near_fp32(dist, reference):
-    per_rank = dist.run(4, _losses, BASE + ["--nproc", "4", "--dp-shard", "4", "--mixed-precision"], timeout=240)
-    got = per_rank[0]
+def test_mixed_precision_stays_near_fp32(trainer_runs, reference):
+    got = trainer_runs.losses(4, ["--dp-shard", "4", "--mixed-precision"])
     assert got != reference, "bf16 parameters gave bit-identical losses: mixed precision is not applied"
     assert max(abs(g - w) / w for g, w in zip(got, reference)) < 2e-2, (got, reference)
 
 
+@pytest.mark.e2e
+@pytest.mark.extras  # its plot: matplotlib's when installed
 def test_command_line_run_launches_reports_and_matches(monkeypatch, capsys, tmp_path, reference):
     """One real launched job: progress, summary, metrics file, plot, parity; and its checkpoint
     directory: the launching process holds it for its workers until the job ends (a second run
@@ -97,7 +65,7 @@ def test_command_line_run_launches_reports_and_matches(monkeypatch, capsys, tmp_
     metrics, plot, ckpt = tmp_path / "m.json", tmp_path / "loss.png", tmp_path / "ckpt"
     argv = BASE + ["--nproc", "2", "--log-every", "3", "--metrics-file", str(metrics),
                    "--plot", str(plot), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
-    job = _cli_job(argv)
+    job = cli_job(argv)
     try:
         deadline = time.monotonic() + 120
         while live_holder(str(ckpt)) is None and job.poll() is None and time.monotonic() < deadline:
@@ -119,7 +87,7 @@ def test_command_line_run_launches_reports_and_matches(monkeypatch, capsys, tmp_
     assert ("shardwise.train: layout: FSDP dp_shard=2 (dp_shard inferred: --nproc 2 / "
             "(--dp-replicate 1 x --tp 1))") in out.splitlines(), out
     record = json.loads(metrics.read_text())
-    _assert_parity(record["losses"], reference, "CLI dp_shard=2")
+    assert_parity(record["losses"], reference, "CLI dp_shard=2")
     assert len(record["peak_memory_bytes"]) == 2 and min(record["peak_memory_bytes"]) > 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "step-3", "step-6"]
@@ -147,22 +115,7 @@ BAD_JOBS = [
 @pytest.mark.parametrize("argv,message", BAD_JOBS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_job_is_refused_in_the_launching_process(monkeypatch, capsys, argv, message):
     err = refusal_in_launcher(monkeypatch, capsys, argv)
-    assert _search(message, err)
-
-
-def refusal_in_launcher(monkeypatch, capsys, argv: list[str]) -> str:
-    """Run the CLI here as the launching process (launching fails the test); return its
-    one-line error after checking it exited with status 2."""
-    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(sys, "argv", ["shardwise.train", *argv])
-    monkeypatch.setattr(cli, "main_or_launch", _must_not_launch)
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("shardwise.train: error: "), err
-    return err
+    assert search(message, err)
 
 
 @pytest.mark.parametrize("argv,message", BAD_JOBS[:3], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
@@ -178,7 +131,7 @@ def test_bad_job_is_refused_again_in_every_worker(monkeypatch, capsys, argv, mes
         monkeypatch.setenv("WORLD_SIZE", nproc)
         assert cli.worker() == 2
         err = capsys.readouterr().err
-        assert (_search(message, err) is not None) == (rank == "0"), err  # printed once, by rank 0
+        assert (search(message, err) is not None) == (rank == "0"), err  # printed once, by rank 0
 
 
 def test_nproc_must_match_the_launchers_world(monkeypatch, capsys):
@@ -191,37 +144,12 @@ def test_nproc_must_match_the_launchers_world(monkeypatch, capsys):
     assert "--nproc 4 differs from the launcher's world size 2" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_bad_job_from_the_shell_exits_2_without_traceback():
-    proc = _cli(["--nproc", "4", "--tp", "2", "--dp-shard", "4"], timeout=120)
+    proc = cli_run(["--nproc", "4", "--tp", "2", "--dp-shard", "4"], timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert proc.stderr.strip().count("\n") == 0 and "must equal the number of processes 4" in proc.stderr
-
-
-def _must_not_launch(*args, **kwargs):
-    raise AssertionError("workers were launched for a bad job")
-
-
-def _search(pattern: str, text: str):
-    import re
-
-    return re.search(pattern, text)
-
-
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _cli(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE")}
-    return subprocess.run([sys.executable, "-m", "shardwise.train", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def _cli_job(argv: list[str]) -> subprocess.Popen:
-    """``python -m shardwise.train`` started from a shell outside any launcher, still running."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
-    return subprocess.Popen([sys.executable, "-m", "shardwise.train", *argv], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 # ---------------------------------------------------------------------- pieces

@@ -27,8 +27,7 @@ from shardwise.train.config import ConfigError, JobConfig, params_label
 from shardwise.train.models.llama import CONFIGS
 from shardwise.train.plot import write_loss_plot
 from shardwise.train.run_lock import DirectoryInUse, RunLock, hold_for_run, live_holder
-from tests.test_train import _cli, refusal_in_launcher
-from tests.test_train_resume import _fake_checkpoint
+from tests.helpers import cli_run, fake_checkpoint, refusal_in_launcher, require_extra
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHED = ["--nproc", "2"]  # a job the CLI would launch workers for (refusal_in_launcher fails the test then)
@@ -60,9 +59,10 @@ def test_output_files_are_checked_before_any_worker_starts(monkeypatch, capsys, 
     assert re.search(message, err.strip()), err
 
 
+@pytest.mark.e2e
 def test_plot_into_a_missing_dir_from_the_shell_fails_before_training(tmp_path):
     start = time.monotonic()
-    proc = _cli([*TINY, "--steps", "2", "--plot", str(tmp_path / "nodir" / "loss.png")], timeout=120)
+    proc = cli_run([*TINY, "--steps", "2", "--plot", str(tmp_path / "nodir" / "loss.png")], timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "its directory" in proc.stderr and "Traceback" not in proc.stderr
     assert time.monotonic() - start < 60
@@ -78,6 +78,7 @@ def test_under_a_launcher_only_rank_0_checks_the_files_it_writes(monkeypatch, tm
     assert cli.job_from_argv(argv).plot.endswith("loss.png")
 
 
+@pytest.mark.extras
 def test_a_failed_plot_write_is_not_chained_under_the_missing_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError: built-in plotter
     with pytest.raises(FileNotFoundError) as info:
@@ -85,6 +86,14 @@ def test_a_failed_plot_write_is_not_chained_under_the_missing_matplotlib(monkeyp
     assert info.value.__context__ is None, repr(info.value.__context__)
     assert write_loss_plot(str(tmp_path / "loss.png"), [3.0, 2.0]).endswith("(built-in plotter; install matplotlib "
                                                                             "for a labelled chart)")
+
+
+@pytest.mark.extras
+def test_the_plot_is_a_labelled_matplotlib_chart_when_matplotlib_is_installed(tmp_path):
+    require_extra("matplotlib")
+    path = tmp_path / "loss.png"
+    assert write_loss_plot(str(path), [3.0, 2.0, 2.5]) == f"loss plot: {path}"  # no built-in plotter note
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------------- run lock
@@ -112,12 +121,13 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("resume", [False, True], ids=["fresh run", "resuming run"])
 def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_and_touches_nothing(monkeypatch, capsys, tmp_path,
                                                                                  resume):
     ckpt = tmp_path / "ckpt"
     if resume:
-        _fake_checkpoint(str(ckpt), 4)  # a committed checkpoint the other run saved (same config and seed)
+        fake_checkpoint(str(ckpt), 4)  # a committed checkpoint the other run saved (same config and seed)
     saving = ckpt / "step-8.tmp-0123456789ab"  # the other run's save in progress
     saving.mkdir(parents=True)
     (saving / "part").write_bytes(b"x")
@@ -133,6 +143,7 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_and_touches_nothing(
     assert (saving / "part").read_bytes() == b"x"
 
 
+@pytest.mark.e2e
 def test_the_lock_of_a_killed_run_does_not_block_the_next_run(tmp_path):
     ckpt = tmp_path / "ckpt"
     holder = _holder_process(ckpt)

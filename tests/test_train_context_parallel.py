@@ -2,27 +2,25 @@
 
 Each sequence is dealt to the cp ranks (load-balanced chunks), attention runs as ring
 attention, the rotary table is sharded with the inputs (global positions), FSDP shards over
-``dp_shard_cp`` and the loss is averaged over ``dp_cp``. Same jobs, pools and reference as
-``test_train.py`` (8 ranks, the tiny config, 6 steps).
+``dp_shard_cp`` and the loss is averaged over ``dp_cp``. Same job, runs and reference as
+``test_train.py`` (the tiny config, 6 steps); 8 ranks only where three mesh axes are needed.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.test_train import BASE, _assert_parity, _losses
+from tests.helpers import assert_parity, layout_id, refusal_in_launcher
 
 LAYOUTS = [
     (8, ["--cp", "2", "--dp-shard", "2", "--tp", "2"]),
-    (8, ["--cp", "4"]),  # dp_shard=2 inferred: FSDP over dp_shard_cp = 8 ranks
+    (4, ["--cp", "4"]),  # a ring of 4; FSDP over dp_shard_cp = the 4 cp ranks (dp_shard=1 inferred)
 ]
 
 
-@pytest.mark.parametrize("nproc,flags", LAYOUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
-def test_context_parallel_layout_trains_to_the_one_process_losses(dist, reference, nproc, flags):
-    per_rank = dist.run(nproc, _losses, BASE + ["--nproc", str(nproc), *flags], timeout=240)
-    assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the global loss"
-    _assert_parity(per_rank[0], reference, " ".join(flags))
+@pytest.mark.parametrize("nproc,flags", LAYOUTS, ids=layout_id)
+def test_context_parallel_layout_trains_to_the_one_process_losses(trainer_runs, reference, nproc, flags):
+    assert_parity(trainer_runs.losses(nproc, flags), reference, " ".join(flags))
 
 
 BAD_JOBS = [
@@ -38,8 +36,6 @@ BAD_JOBS = [
 @pytest.mark.parametrize("argv,message", BAD_JOBS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_context_parallel_job_is_refused_up_front(monkeypatch, capsys, argv, message):
     import re
-
-    from tests.test_train import refusal_in_launcher
 
     err = refusal_in_launcher(monkeypatch, capsys, argv)
     assert re.search(message, err), err

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.train import cli
 from shardwise.train.metrics import StateBytes, format_bytes, state_bytes
-
-BASE = ["--config", "tiny", "--steps", "2", "--global-batch", "8", "--seq-len", "32", "--log-every", "1000"]
+from tests.helpers import BASE, one_process_run
 
 
 def _one_step_state(model: torch.nn.Module) -> tuple[StateBytes, torch.optim.Optimizer]:
@@ -30,20 +28,11 @@ def test_state_bytes_count_parameters_gradients_and_adam_moments():
     assert state_bytes(model).optimizer == 0
 
 
-def _state_per_rank(argv: list[str]) -> list[StateBytes]:
-    from shardwise.train.trainer import Runtime, train
-
-    job = cli.job_from_argv(argv)
-    return train(job, Runtime.create(job)).state
-
-
-def test_fsdp_ranks_each_hold_a_quarter_of_the_one_process_state(dist):
-    from shardwise.train.trainer import Runtime, train
-
-    job = cli.job_from_argv(BASE)
-    whole = train(job, Runtime.create(job)).state
+def test_fsdp_ranks_each_hold_a_quarter_of_the_one_process_state(trainer_runs):
+    """The parity job's runs (tests/helpers.py): one process, and FSDP over 4 ranks."""
+    whole = one_process_run(tuple(BASE))["state"]
     assert len(whole) == 1 and whole[0].params > 0 and whole[0].grads == whole[0].params
-    per_rank = dist.run(4, _state_per_rank, BASE + ["--nproc", "4", "--dp-shard", "4"], timeout=240)[0]
+    per_rank = trainer_runs.get(4, ["--dp-shard", "4"])[0]["state"]
     assert len(per_rank) == 4
     assert sum(s.params for s in per_rank) == whole[0].params  # every element held once
     assert max(s.total for s in per_rank) < 0.3 * whole[0].total, (per_rank, whole)

@@ -2,10 +2,11 @@
 
 The model is split by module paths into stages (embedding on the first, norm and output on the
 last), each stage parallelized on its slice of the mesh; torch.distributed.pipelining's
-schedules carry the activations. Same jobs, pools and reference as ``test_train.py`` (8 ranks,
-6 steps); interleaved 1F1B over 2 ranks needs 4 stages, so it trains ``tiny4`` (tiny with four
-blocks) against its own one-process reference. A checkpoint of a pipelined run resumes in a
-plain FSDP layout and back, continuing the losses of the uninterrupted run.
+schedules carry the activations. Same job, runs and reference as ``test_train.py`` (6 steps,
+``trainer_runs``); 8 ranks only where three mesh axes are needed. Interleaved 1F1B over 2
+ranks needs 4 stages, so it trains ``tiny4`` (tiny with four blocks) against its own one-process
+reference. A checkpoint of a pipelined run resumes in a plain FSDP layout and back into a
+pipelined TP one, continuing the losses of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -18,33 +19,27 @@ import pytest
 from shardwise.parallel.pipeline_parallel.split import (num_stages, pipeline_problems, stage_layers, stage_module_paths,
                                                stages_of_rank)
 from shardwise.train.config import JobConfig
-from tests.test_train import BASE, STEPS, _assert_parity, _losses, one_process_losses
-
-
-def _with_config(argv: list[str], config: str) -> list[str]:
-    out = list(argv)
-    out[out.index("--config") + 1] = config
-    return out
+from tests.helpers import (BASE, STEPS, assert_parity, layout_id, one_process_losses, refusal_in_launcher,
+                           train_losses, with_config)
 
 
 @pytest.fixture(scope="module")
 def reference4() -> list[float]:
     """Losses of the one-process run of ``tiny4``."""
-    return list(one_process_losses(tuple(_with_config(BASE, "tiny4"))))
+    return list(one_process_losses(tuple(with_config(BASE, "tiny4"))))
 
 
 LAYOUTS = [
-    ("tiny", ["--pp", "2", "--dp-shard", "2", "--tp", "2"]),
-    ("tiny", ["--pp", "2", "--cp", "2", "--tp", "2", "--pp-schedule", "gpipe"]),
-    ("tiny4", ["--pp", "2", "--dp-shard", "4", "--pp-schedule", "interleaved_1f1b"]),
+    (8, "tiny", ["--pp", "2", "--dp-shard", "2", "--tp", "2"]),
+    (8, "tiny", ["--pp", "2", "--cp", "2", "--tp", "2", "--pp-schedule", "gpipe"]),
+    (4, "tiny4", ["--pp", "2", "--dp-shard", "2", "--pp-schedule", "interleaved_1f1b"]),
 ]
 
 
-@pytest.mark.parametrize("config,flags", LAYOUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
-def test_pipeline_layout_trains_to_the_one_process_losses(dist, reference, reference4, config, flags):
-    per_rank = dist.run(8, _losses, _with_config(BASE, config) + ["--nproc", "8", *flags], timeout=240)
-    assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the global loss"
-    _assert_parity(per_rank[0], reference if config == "tiny" else reference4, " ".join(flags))
+@pytest.mark.parametrize("nproc,config,flags", LAYOUTS, ids=layout_id)
+def test_pipeline_layout_trains_to_the_one_process_losses(trainer_runs, reference, reference4, nproc, config, flags):
+    got = trainer_runs.losses(nproc, flags, config)
+    assert_parity(got, reference if config == "tiny" else reference4, " ".join(flags))
 
 
 def _train_and_list(argv: list[str]) -> tuple[list[float], list[str]]:
@@ -52,29 +47,30 @@ def _train_and_list(argv: list[str]) -> tuple[list[float], list[str]]:
     from shardwise.checkpoint.source import open_source
     from shardwise.train.checkpointing import latest_checkpoint
 
-    losses = _losses(argv)
+    losses = train_losses(argv)
     directory = argv[argv.index("--checkpoint-dir") + 1]
     keys = sorted(open_source(latest_checkpoint(directory).path).metadata.tensors)
     return losses, keys
 
 
+@pytest.mark.e2e
 def test_pipelined_checkpoint_resumes_without_pipeline_and_back(dist, reference, tmp_path):
-    """pp=2 x dp_shard=2 x tp=2 saves at step 2; dp_shard=4 resumes to step 4; pp=2 x dp_shard=2 ends the run."""
+    """pp=2 x dp_shard=2 saves at step 2; dp_shard=4 resumes to step 4; pp=2 x tp=2 ends the run."""
     ckpt = str(tmp_path / "ckpt")
     run = BASE + ["--checkpoint-dir", ckpt]
-    first = dist.run(8, _train_and_list, run + ["--nproc", "8", "--pp", "2", "--dp-shard", "2", "--tp", "2",
-                                                "--stop-after", "2"], timeout=240)
+    first = dist.run(4, _train_and_list, run + ["--nproc", "4", "--pp", "2", "--dp-shard", "2", "--stop-after", "2"],
+                     timeout=240)
     losses, keys = first[0]
-    _assert_parity(losses + reference[2:], reference, "pp=2 dp_shard=2 tp=2 before saving")
+    assert_parity(losses + reference[2:], reference, "pp=2 dp_shard=2 before saving")
     # global module paths, from both stages: the embedding (stage 0) and the output layer (stage 1)
     assert {"model.tok_embeddings.weight", "model.layers.1.attention.wq.weight", "model.output.weight",
             "optimizer.state.layers.0.feed_forward.w2.weight.exp_avg"} <= set(keys)
-    second = dist.run(4, _losses, run + ["--nproc", "4", "--dp-shard", "4", "--resume", "--stop-after", "4"],
+    second = dist.run(4, train_losses, run + ["--nproc", "4", "--dp-shard", "4", "--resume", "--stop-after", "4"],
                       timeout=240)
     assert all(r == second[0] for r in second)
-    third = dist.run(4, _losses, run + ["--nproc", "4", "--pp", "2", "--dp-shard", "2", "--resume"], timeout=240)
+    third = dist.run(4, train_losses, run + ["--nproc", "4", "--pp", "2", "--tp", "2", "--resume"], timeout=240)
     assert all(r == third[0] for r in third)
-    _assert_parity(losses + second[0] + third[0], reference, "pp -> dp_shard=4 -> pp, resumed")
+    assert_parity(losses + second[0] + third[0], reference, "pp -> dp_shard=4 -> pp x tp, resumed")
     assert sorted(os.listdir(ckpt)) == ["step-2", "step-4", f"step-{STEPS}"]
 
 
@@ -129,8 +125,6 @@ BAD_JOBS = [
 
 @pytest.mark.parametrize("argv,message", BAD_JOBS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_pipeline_job_is_refused_up_front(monkeypatch, capsys, argv, message):
-    from tests.test_train import refusal_in_launcher
-
     err = refusal_in_launcher(monkeypatch, capsys, ["--config", "tiny", "--global-batch", "8", *argv])
     assert re.search(message, err), err
 

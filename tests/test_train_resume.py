@@ -1,7 +1,8 @@
 """Trainer checkpoints: a run stopped and resumed in another layout continues the same losses.
 
-The oracle is one uninterrupted one-process run of the whole schedule (in the test process).
-The stopped run trains on a worker pool under FSDP (dp_shard=4), saving checkpoints; the
+The oracle is one uninterrupted one-process run of the whole schedule (in the test process: the
+parity job's reference, tests/helpers.py). The stopped run trains on a worker pool under FSDP
+(dp_shard=4), saving checkpoints; the
 resumed run loads the latest one on a pool under FSDP+TP (tp=2, dp_shard=2), so the model and
 the AdamW moments are resharded on load, and trains the remaining steps. Bad checkpoint flags
 are refused in the launching process with one ``error:`` line and exit status 2.
@@ -18,21 +19,9 @@ import pytest
 import shardwise.checkpoint as dcp
 from shardwise.train import cli
 from shardwise.train.checkpointing import latest_checkpoint
-from tests.test_train import refusal_in_launcher
+from tests.helpers import BASE, RTOL, STEPS, fake_checkpoint, one_process_run, refusal_in_launcher, train_run
 
-STEPS, STOP = 10, 5  # the resumed run's 5 steps start after the 2 warmup steps
-BASE = ["--config", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--seq-len", "32",
-        "--lr", "3e-3", "--warmup", "2", "--seed", "7", "--log-every", "1000", "--device", "cpu"]
-RTOL = 1e-5
-
-
-def _train(argv: list[str]) -> dict:
-    """On every rank of a pool (or alone): train the job; its losses and learning rates."""
-    from shardwise.train.trainer import Runtime, train
-
-    job = cli.job_from_argv(argv)
-    metrics = train(job, Runtime.create(job))
-    return {"losses": metrics.losses, "lrs": metrics.lrs}
+STOP = 3  # the resumed run's 3 steps start after the 2 warmup steps
 
 
 def _max_rel(got: list[float], want: list[float]) -> float:
@@ -40,15 +29,16 @@ def _max_rel(got: list[float], want: list[float]) -> float:
     return max(abs(g - w) / abs(w) for g, w in zip(got, want))
 
 
+@pytest.mark.e2e
 def test_run_stopped_under_fsdp_resumes_under_fsdp_tp_with_the_same_losses(dist, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    whole = _train(BASE)  # one process, no checkpoint: the oracle
-    first = dist.run(4, _train, BASE + ["--nproc", "4", "--dp-shard", "4", "--stop-after", str(STOP),
-                                        "--checkpoint-dir", ckpt, "--checkpoint-every", "2"], timeout=240)
-    assert sorted(os.listdir(ckpt)) == ["step-2", "step-4", "step-5"]  # every 2 steps and at the stop
+    whole = one_process_run(tuple(BASE))  # one process, no checkpoint: the oracle
+    first = dist.run(4, train_run, BASE + ["--nproc", "4", "--dp-shard", "4", "--stop-after", str(STOP),
+                                           "--checkpoint-dir", ckpt, "--checkpoint-every", "2"], timeout=240)
+    assert sorted(os.listdir(ckpt)) == ["step-2", "step-3"]  # every 2 steps and at the stop
     assert _max_rel(first[0]["losses"], whole["losses"][:STOP]) < RTOL
 
-    second = dist.run(4, _train, BASE + ["--nproc", "4", "--tp", "2", "--dp-shard", "2",
+    second = dist.run(4, train_run, BASE + ["--nproc", "4", "--tp", "2", "--dp-shard", "2",
                                          "--checkpoint-dir", ckpt, "--resume"], timeout=240)
     assert all(r == second[0] for r in second), "ranks disagree on the resumed losses"
     worst = _max_rel(second[0]["losses"], whole["losses"][STOP:])
@@ -57,17 +47,11 @@ def test_run_stopped_under_fsdp_resumes_under_fsdp_tp_with_the_same_losses(dist,
     assert latest_checkpoint(ckpt).step == STEPS  # saved at the end of the run
 
 
-def _fake_checkpoint(directory: str, step: int, **train) -> None:
-    """A committed checkpoint holding only the run values (one process, no tensors)."""
-    values = {"step": step, "data_position": step, "seed": 7, "steps": STEPS, "config": "tiny", **train}
-    dcp.save({"train": values}, os.path.join(directory, f"step-{step}"))
-
-
 def test_latest_checkpoint_is_the_highest_committed_step(tmp_path):
     d = str(tmp_path)
     assert latest_checkpoint(d) is None and latest_checkpoint(str(tmp_path / "absent")) is None
     for step in (2, 10):
-        _fake_checkpoint(d, step)
+        fake_checkpoint(d, step)
     os.makedirs(tmp_path / "step-30")  # uncommitted: no metadata.json
     os.makedirs(tmp_path / "step-40.tmp-0123456789ab")  # a save cut before its commit
     (tmp_path / "step-40.tmp-0123456789ab" / dcp.METADATA_FILE).write_text("{}")
@@ -75,7 +59,7 @@ def test_latest_checkpoint_is_the_highest_committed_step(tmp_path):
     point = latest_checkpoint(d)
     assert (point.step, point.path, point.train["seed"]) == (10, os.path.join(d, "step-10"), 7)
     # a commit cut between its renames leaves step-12 aside: still the latest, and loadable by its name
-    _fake_checkpoint(d, 12)
+    fake_checkpoint(d, 12)
     os.rename(tmp_path / "step-12", tmp_path / "step-12.old-abcdef012345")
     point = latest_checkpoint(d)
     assert (point.step, point.path) == (12, os.path.join(d, "step-12"))
@@ -90,7 +74,7 @@ def _bad_setups(tmp_path) -> dict:
     os.makedirs(empty)
     os.makedirs(os.path.join(temps, "step-10.tmp-0123456789ab"))
     os.makedirs(os.path.join(temps, "step-5"))
-    _fake_checkpoint(saved, 4)
+    fake_checkpoint(saved, 4)
     return {
         "empty dir": (["--checkpoint-dir", empty, "--resume"],
                       rf"--resume: --checkpoint-dir '{empty}' holds no checkpoint \(no step-<N> directory with metadata.json\)"),
@@ -123,7 +107,7 @@ def test_bad_checkpoint_flags_are_refused_before_launch(monkeypatch, capsys, tmp
 def test_checkpoint_that_does_not_fit_the_model_is_refused_with_one_line(monkeypatch, capsys, tmp_path):
     """Past the launcher's checks (same config and seed), the load itself finds no model: exit 2."""
     saved = str(tmp_path / "saved")
-    _fake_checkpoint(saved, 4)
+    fake_checkpoint(saved, 4)
     for var in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(sys, "argv", ["shardwise.train", *BASE, "--checkpoint-dir", saved, "--resume"])
