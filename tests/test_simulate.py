@@ -133,3 +133,16 @@ def test_pipeline_schedule_order_in_flight():
 
     with pytest.raises(ConfigError, match="--pp-schedule interleaved_1f1b"):  # refused before any rank is played
         simulate_job(JobConfig(config="debug", nproc=4, pp=2, dp_shard=2, pp_schedule="interleaved_1f1b"))
+
+
+def test_simulate_runs_sequence_parallel_whose_input_check_needs_data():
+    """SequenceParallel checks its plain inputs' data on the first call; on meta tensors it
+    issues the same all_gather and judges nothing (it used to call ``.item()`` on meta)."""
+    from shardwise.simulate import simulate_job
+    from shardwise.train import cli
+
+    job = cli.job_from_argv(["--config", "tiny", "--nproc", "4", "--tp", "4", "--sequence-parallel",
+                             "--global-batch", "4", "--seq-len", "32", "--device", "cpu"])
+    report = simulate_job(job)
+    assert [m.rank for m in report.per_rank] == [0, 1, 2, 3]
+    assert all(m.comm_bytes_by_axis.get("tp", 0) > 0 for m in report.per_rank)

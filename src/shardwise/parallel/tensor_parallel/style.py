@@ -430,6 +430,9 @@ def _refuse_replicated_plain_inputs(module: nn.Module, inputs: tuple, mesh: Devi
     plain = [x for x in inputs if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)]
     if n == 1 or not plain:
         return
+    if any(x.is_meta for x in plain):  # a simulated step (shardwise.simulate): the same collective, no data to judge
+        comm.all_gather(torch.zeros(1, len(plain), 3, dtype=torch.int64, device=plain[0].device), mesh, 0, 0, [1] * n)
+        return
     # Per input: its fingerprint, and whether it is constant (then sameness proves nothing).
     mine = torch.stack([torch.cat((_fingerprint(x), _is_constant(x))) for x in plain])  # [inputs, 3]
     everyone = comm.all_gather(mine.unsqueeze(0), mesh, 0, 0, [1] * n)  # [ranks, inputs, 3]
