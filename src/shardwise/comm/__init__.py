@@ -35,6 +35,7 @@ from shardwise.comm.collectives import (
 from shardwise.comm.errors import CollectiveCall, CollectiveError, CollectiveTimeout, PeerLost, classify
 from shardwise.comm.issue import (
     RECENT,
+    awaiting_release,
     PreIssueCheck,
     failure_for,
     forget_groups,
@@ -56,7 +57,7 @@ from shardwise.comm.timeout import (
 __all__ = [
     "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "all_to_all_counts", "scatter", "broadcast",
     "all_gather_object", "barrier", "ring_shift", "reduce_stacked",
-    "Pending", "all_gather_async", "reduce_scatter_async", "all_reduce_async", "run_ahead", "traced",
+    "Pending", "all_gather_async", "reduce_scatter_async", "all_reduce_async", "run_ahead", "traced", "awaiting_release",
     "CommRecorder", "add_recorder", "remove_recorder", "record_send", "recording",
     "set_collective_timeout", "collective_timeout", "TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "CollectiveCall", "CollectiveError", "CollectiveTimeout", "PeerLost", "classify", "failure_for",

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from shardwise.comm.bytes import all_reduce_sent
-from shardwise.comm.issue import failure_for, issue_eager, issue_traced, sequence_number, traced
+from shardwise.comm.issue import await_release, awaited_buffers, failure_for, issue_eager, issue_traced, sequence_number, traced
 
 if TYPE_CHECKING:
     from shardwise.core.mesh import DeviceMesh
@@ -321,15 +321,20 @@ def ring_shift(tensors: Sequence[torch.Tensor], mesh: DeviceMesh, axis: int,
 
 
 # ---------------------------------------------------------------------- running ahead
+PENDING_RELEASE_LIMIT_S = 0.05  # see issue.await_release
+
+
 class Pending:
     """A collective issued without waiting: ``wait()`` blocks until it is done and returns its
     result. Compute issued before ``wait()`` overlaps the transfer (gloo runs it on its own
     threads, NCCL on its stream). A failure surfaces at ``wait()``, named like a blocking one's."""
 
-    __slots__ = ("_work", "_result", "_finish", "_call")
+    __slots__ = ("_work", "_result", "_finish", "_call", "_held")
 
-    def __init__(self, work, result: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor], call: tuple) -> None:
+    def __init__(self, work, result: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor], call: tuple,
+                 held: list | None = None) -> None:
         self._work, self._result, self._finish, self._call = work, result, finish, call
+        self._held = held  # buffers to see released after the wait (issue.awaiting_release)
 
     @property
     def done(self) -> bool:
@@ -345,15 +350,19 @@ class Pending:
                 if failure is None:
                     raise
                 raise failure from err
+            if self._held:
+                await_release(self._held, PENDING_RELEASE_LIMIT_S)
+                self._held = None
             self._result = self._finish(self._result)
         return self._result
 
 
 def _issue_async(kind: str, mesh: DeviceMesh, axis: int, nbytes: int, collective: Callable, result: torch.Tensor,
                  *args, finish: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, **kwargs) -> Pending:
+    held = awaited_buffers(args)
     work = issue_eager(kind, mesh, axis, nbytes, collective, *args, async_op=True, **kwargs)
     group = mesh.get_group(axis)
-    return Pending(work, result, finish, (kind, sequence_number(group), group, mesh, axis, nbytes))
+    return Pending(work, result, finish, (kind, sequence_number(group), group, mesh, axis, nbytes), held)
 
 
 def all_gather_async(shard: torch.Tensor, mesh: DeviceMesh, axis: int) -> Pending:

@@ -30,6 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from shardwise.comm import awaiting_release
+
 __all__ = ["MemoryTracker"]
 
 
@@ -51,6 +53,9 @@ class MemoryTracker(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # id(storage object) -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
         self._orig_resize = None
+        # A real step's collectives return only once gloo has released their buffers: otherwise a
+        # buffer freed by the step could be counted a moment longer, at random (comm.awaiting_release).
+        self._release = awaiting_release()
 
     # ------------------------------------------------------------------ counting
     def hold(self, tensors: Iterable[torch.Tensor | None]) -> None:
@@ -110,10 +115,12 @@ class MemoryTracker(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_
+        self._release.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         torch.UntypedStorage.resize_ = self._orig_resize
+        self._release.__exit__(*exc)
         super().__exit__(*exc)
 
 
