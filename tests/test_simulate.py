@@ -50,8 +50,11 @@ def _compare(real: list[dict], argv: list[str]) -> None:
     at tiny4: torch's schedule kept every microbatch's logits to return them, unused, and the
     simulation dropped a stage's output before its backward, which torch's stages keep; 0.72%
     each). A real run could also hold a buffer more (131,072 B on fsdp_tp, 262,144 B on tp 4: 1.2%)
-    at random: gloo's worker thread released a finished collective's tensors just after waking the
-    caller; measurements now wait for that release (``comm.awaiting_release``, tested below).
+    at random, for two reasons now handled: gloo's worker thread released a finished collective's
+    tensors just after waking the caller (measurements wait for that release:
+    ``comm.awaiting_release``, tested below), and a step that missed the dispatcher's bounded cache
+    (full of earlier tests' entries) counted the meta tensors it decided layouts with (no longer
+    counted: ``dispatch.dispatcher.deciding``).
     """
     from shardwise.simulate import simulate_job
     from shardwise.train import cli

@@ -115,29 +115,42 @@ class awaiting_release:
         _AWAIT_RELEASE[0] -= 1
 
 
-def _use_counts(args: tuple) -> list[tuple[Any, int]]:
-    """(storage, its reference count now) of every tensor argument, lists of tensors included."""
+def _use_counts(args: tuple) -> list[tuple[Any, Any, int]]:
+    """(tensor or storage, its counter, its reference count now) for every tensor argument (lists
+    of tensors included) and its storage: a backend may hold the very tensor it was given (which
+    keeps its storage alive without counting on it) or tensors of its own over the storage."""
     if _use_count is None:  # a torch without the counter: nothing to wait for
         return []
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     tensors += [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, torch.Tensor)]
-    storages = [x.untyped_storage() for x in tensors]
-    return [(s, _use_count(s._cdata)) for s in storages]
+    counted: list[tuple[Any, Any, int]] = []
+    for x in tensors:
+        storage = x.untyped_storage()
+        counted.append((x, _tensor_uses, x._use_count()))
+        counted.append((storage, _storage_uses, _use_count(storage._cdata)))
+    return counted
 
 
-def awaited_buffers(args: tuple) -> list[tuple[Any, int]] | None:
-    """Inside ``awaiting_release``: the reference counts of ``args``' buffers before a collective
-    is issued without waiting (``Pending`` waits for them after its ``wait()``); else None."""
+def _tensor_uses(x: torch.Tensor) -> int:
+    return x._use_count()
+
+
+def _storage_uses(storage: Any) -> int:
+    return _use_count(storage._cdata)
+
+
+def awaited_buffers(args: tuple) -> list[tuple[Any, Any, int]] | None:
+    """Inside ``awaiting_release``: the reference counts of ``args``' tensors and buffers before a
+    collective is issued without waiting (``Pending`` waits for them after its ``wait()``); else None."""
     return _use_counts(args) if _AWAIT_RELEASE[0] else None
 
 
-def await_release(held: list[tuple[Any, int]], limit_s: float = RELEASE_WAIT_LIMIT_S) -> None:
-    """Yield until every storage is back to the references it had before the collective, at most
-    ``limit_s``: a collective issued without waiting runs the caller's code meanwhile, which may
-    legitimately add references (so ``Pending`` waits briefly, not to the end)."""
+def await_release(held: list[tuple[Any, Any, int]], limit_s: float = RELEASE_WAIT_LIMIT_S) -> None:
+    """Yield until every tensor and storage is back to the references it had before the
+    collective, at most ``limit_s``."""
     deadline = time.monotonic() + limit_s
-    for storage, count in held:
-        while _use_count(storage._cdata) > count and time.monotonic() < deadline:
+    for thing, uses, count in held:
+        while uses(thing) > count and time.monotonic() < deadline:
             time.sleep(0)
 
 

@@ -31,7 +31,7 @@ from shardwise.redistribute.execute import redistribute_local
 from shardwise.core.spec import DTensorSpec, TensorMeta
 
 __all__ = ["dispatch", "render_call", "clear_cache", "cache_info", "implicit_replication", "ImplicitScope", "CACHE_SIZE",
-           "plan_call"]
+           "plan_call", "deciding"]
 
 CACHE_SIZE = 4096  # bound on the dispatcher's entries in the propagation cache
 _SIGN_ONLY = registry.SCALAR_SIGN_ONLY
@@ -115,10 +115,24 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 def _decide(key: tuple, func, args: tuple, kwargs: dict, dtensors: list) -> Callable:
     """The slow path: propagate, build the call's runner, cache it."""
     version = registry_version()
-    plan = _with_slots(plan_call(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
-    run = _runner(func, plan, args, kwargs)
+    _DECIDING[0] += 1
+    try:
+        plan = _with_slots(plan_call(func, args, kwargs, dtensors), func, args, kwargs, len(dtensors))
+        run = _runner(func, plan, args, kwargs)
+    finally:
+        _DECIDING[0] -= 1
     PLANS.put(key, run, version, CACHE_SIZE)
     return run
+
+
+_DECIDING = [0]
+
+
+def deciding() -> bool:
+    """Whether this thread is deciding a call's layouts (a cache miss): the meta tensors it runs
+    the op on are scratch, not the program's memory (``shardwise.simulate.memory`` skips them,
+    since whether a step misses the bounded cache depends on what ran before it)."""
+    return _DECIDING[0] > 0
 
 
 def _runner(func, plan: OutputPlan, args: tuple, kwargs: dict) -> Callable:

@@ -18,7 +18,9 @@ counted: it is the backend's working memory, as NCCL's buffers are on GPU, and a
 collective has none.
 
 Tensor subclasses (DTensor) are let through: the mode counts the plain local blocks their
-handlers produce, so a DTensor's bytes are its block's bytes on this rank.
+handlers produce, so a DTensor's bytes are its block's bytes on this rank. The meta tensors the
+dispatcher runs an op on to decide its layouts (on a miss of its bounded cache) are not counted:
+whether a step misses depends on what ran before it in the process, not on the step.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from shardwise.comm import awaiting_release
+from shardwise.dispatch.dispatcher import deciding
 
 __all__ = ["MemoryTracker"]
 
@@ -98,7 +101,7 @@ class MemoryTracker(TorchDispatchMode):
         if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):
             return NotImplemented  # a subclass's handler runs, its local ops come back here
         out = func(*args, **(kwargs or {}))
-        if _allocates(func):
+        if _allocates(func) and not deciding():  # a dispatch-cache miss's meta scratch is not the step's
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self._add(t)
