@@ -429,9 +429,9 @@ class Bench:
                                           shape=tuple(shape))
                 t = TDTensor.from_local(block.clone(), t_mesh, [self.torch_placement(n) for n in layout],
                                         run_check=False, shape=torch.Size(shape), stride=glob.stride())
-                from shardwise.tensor import agreement as sw_blocks
+                from shardwise.tensor import agreement as sw_agreement
 
-                sw_blocks.settle(sw_mesh)  # from_local's deferred check: not part of a measured run
+                sw_agreement.settle(sw_mesh)  # from_local's deferred check: not part of a measured run
                 # Both libraries must read the same blocks as the same global tensor.
                 for lib, dt in (("shardwise", s), ("torch", t)):
                     if self.agree_flag(not torch.equal(dt.full_tensor(), glob)):

@@ -15,7 +15,7 @@ import torch
 
 from shardwise.compile.opaque import tracing
 from shardwise import comm
-from shardwise.tensor import agreement as blocks
+from shardwise.tensor import agreement
 from shardwise.core import mesh as mesh_module
 from shardwise.core.mesh import DeviceMesh
 from shardwise.core.placement import Placement, Replicate, Shard
@@ -100,9 +100,9 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
     A rank outside the mesh holds nothing and returns its (empty) block unchanged. ``dst`` may
     be on another mesh over the same ranks (``cross_mesh``).
     """
-    if blocks.PENDING and not tracing():  # from_local calls not yet confirmed (see shardwise.tensor.agreement)
-        blocks.settle(src.mesh)
-        blocks.settle(dst.mesh)
+    if agreement.PENDING and not tracing():  # from_local calls not yet confirmed (see shardwise.tensor.agreement)
+        agreement.settle(src.mesh)
+        agreement.settle(dst.mesh)
     if src.mesh.get_coordinate() is None:
         return local
     if src.mesh != dst.mesh:

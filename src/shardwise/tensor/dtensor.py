@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from shardwise.comm import run_ahead
-from shardwise.tensor import agreement as blocks
+from shardwise.tensor import agreement
 from shardwise.compile.opaque import Packed, never_compiled, opaque, pack, tracing, unpack
 from shardwise.dispatch import bind_tensor_class, dispatch
 from shardwise.core.mesh import DeviceMesh, default_mesh
@@ -407,14 +407,14 @@ def _unchecked_spec(
     """The spec this rank infers on its own (noted, to be confirmed before the next collective;
     not while tracing, where blocks have no data)."""
     if shape is not None:
-        spec, how = DTensorSpec(mesh, placements, blocks.global_meta(local, shape, stride)), "shape= given"
+        spec, how = DTensorSpec(mesh, placements, agreement.global_meta(local, shape, stride)), "shape= given"
     else:
         probe = DTensorSpec(mesh, placements, TensorMeta(local.shape, contiguous_stride(local.shape), local.dtype))
-        even = blocks.even_shape(local.shape, mesh, probe.placements)
-        meta = TensorMeta(even, blocks.even_stride(local.stride(), mesh, probe.placements), local.dtype)
+        even = agreement.even_shape(local.shape, mesh, probe.placements)
+        meta = TensorMeta(even, agreement.even_stride(local.stride(), mesh, probe.placements), local.dtype)
         spec, how = DTensorSpec(mesh, probe.placements, meta), "shape inferred assuming even blocks"
     if note:
-        blocks.note(spec, tuple(local.shape), how)
+        agreement.note(spec, tuple(local.shape), how)
     return spec
 
 
@@ -429,8 +429,8 @@ def _checked_spec(
         normalized = DTensorSpec(mesh, placements, meta).placements
     except (ValueError, IndexError) as err:
         error = str(err)
-    info = blocks.describe_block(local, placements, shape, error, stride)
-    global_shape, implied, problems = blocks.check_blocks(blocks.gather_grid(info, mesh), mesh, normalized)
+    info = agreement.describe_block(local, placements, shape, error, stride)
+    global_shape, implied, problems = agreement.check_blocks(agreement.gather_grid(info, mesh), mesh, normalized)
     if problems:
         raise ValueError(
             f"from_local(run_check=True): the blocks do not form one {render_layout(mesh, normalized, None)} "
@@ -438,4 +438,4 @@ def _checked_spec(
         )
     if shape is None and stride is None:
         stride = implied
-    return DTensorSpec(mesh, normalized, blocks.global_meta(local, global_shape, stride))
+    return DTensorSpec(mesh, normalized, agreement.global_meta(local, global_shape, stride))

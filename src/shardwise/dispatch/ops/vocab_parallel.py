@@ -29,7 +29,7 @@ import torch
 
 from shardwise import comm
 
-from shardwise.tensor import agreement as blocks
+from shardwise.tensor import agreement
 from shardwise.dispatch.ops._common import R, aten, bind_arguments, local_block, meta_of, wrap_local
 from shardwise.dispatch.registry import register_layout_handler
 from shardwise.dispatch.strategy import OpSchema
@@ -62,7 +62,7 @@ def _settled(spec: DTensorSpec) -> tuple[Placement, ...]:
 
 
 def _all_reduce(t: torch.Tensor, mesh, axes: list[int], op: str) -> torch.Tensor:
-    blocks.settle(mesh)  # unconfirmed from_local blocks would reach gloo as mismatched sizes
+    agreement.settle(mesh)  # unconfirmed from_local blocks would reach gloo as mismatched sizes
     for axis in axes:
         t = comm.all_reduce(t, mesh, axis, op)
     return t
