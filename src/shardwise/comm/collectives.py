@@ -76,6 +76,53 @@ def _rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.movedim(dim, 0).contiguous()
 
 
+def _stacked_to_cat(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[n, *piece]`` -> the n pieces concatenated along ``dim``, contiguous (a view for dim 0).
+
+    The copy moves runs of ``piece[dim:]`` elements, as ``torch.cat`` would; moving ``dim``
+    first and back instead transposes element by element (1.2-1.9x torch's time for a gather
+    along dim 1, ``benchmarks/redistribute.py``).
+    """
+    n, piece = stacked.shape[0], list(stacked.shape[1:])
+    whole = list(piece)
+    whole[dim] *= n
+    return stacked.movedim(0, dim).reshape(whole)
+
+
+def _cat_to_stacked(full: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``full``'s n equal pieces along ``dim``, stacked first: ``[n, *piece]``, contiguous
+    (no copy for a contiguous ``full`` cut along dim 0)."""
+    shape = list(full.shape)
+    split = shape[:dim] + [n, shape[dim] // n] + shape[dim + 1:]
+    return full.reshape(split).movedim(dim, 0).contiguous()
+
+
+def _piece_shape(shape: Sequence[int], dim: int, length: int) -> list[int]:
+    """``shape`` with ``length`` along ``dim``."""
+    piece = list(shape)
+    piece[dim] = length
+    return piece
+
+
+def _cat_pieces(flat: torch.Tensor, shapes: Sequence[Sequence[int]], dim: int) -> torch.Tensor:
+    """The pieces laid one after another in ``flat`` (their ``shapes``), concatenated along
+    ``dim``: a view when ``dim`` is 0, one copy otherwise."""
+    if dim == 0:
+        rest = list(shapes[0][1:])
+        return flat.view(sum(s[0] for s in shapes), *rest)
+    chunks = torch.split(flat, [math.prod(s) for s in shapes])
+    return torch.cat([c.view(s) for c, s in zip(chunks, shapes)], dim=dim)
+
+
+def _flat_pieces(t: torch.Tensor, dim: int, lengths: Sequence[int]) -> torch.Tensor:
+    """``t``'s consecutive pieces along ``dim`` (``lengths``), each flattened, one after another."""
+    if dim == 0:
+        return t.contiguous().reshape(-1)
+    if len(set(lengths)) == 1:
+        return _cat_to_stacked(t, dim, len(lengths)).reshape(-1)
+    return torch.cat([p.reshape(-1) for p in torch.split(t, list(lengths), dim=dim)])
+
+
 def _a2a_flat(kind: str, mesh: DeviceMesh, axis: int, nbytes: int,
               send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
     """all_to_all_single over flat buffers with element counts per peer (issued as ``kind``)."""
@@ -96,24 +143,17 @@ def all_gather(
     if sum(lengths) * rest == 0:
         return _empty_cat(shard, dim, sum(lengths))
     nbytes = (n - 1) * _nbytes(shard)
-    rows = _rows_first(shard, dim)  # [len_me, *rest]
-    if len(set(lengths)) == 1 and traced(rows):
-        out = issue_traced("all_gather", mesh, axis, nbytes, funcol.all_gather_tensor, rows, 0)
-    elif len(set(lengths)) == 1:
-        out = rows.new_empty((lengths[0] * n, *rows.shape[1:]))
-        issue_eager("all_gather", mesh, axis, nbytes, all_gather_single, out, rows)
+    block = shard.contiguous()
+    if len(set(lengths)) > 1:
+        recv = _a2a_flat("all_gather", mesh, axis, nbytes, block.reshape(-1).repeat(n), [block.numel()] * n,
+                         [l * rest for l in lengths])
+        return _cat_pieces(recv, [_piece_shape(block.shape, dim, l) for l in lengths], dim)
+    if traced(block):
+        out = issue_traced("all_gather", mesh, axis, nbytes, funcol.all_gather_tensor, block, 0)
     else:
-        flat = rows.reshape(-1).repeat(n)
-        recv = _a2a_flat("all_gather", mesh, axis, nbytes, flat, [rows.numel()] * n, [l * rest for l in lengths])
-        out = recv.view(sum(lengths), *rows.shape[1:])
-    return _in_place_of(out, dim)
-
-
-def _in_place_of(rows: torch.Tensor, dim: int) -> torch.Tensor:
-    """``rows`` (``dim`` first) with ``dim`` moved back, contiguous: a block's memory follows
-    its logical order, as a freshly computed tensor's does (compiled graphs view blocks
-    by their logical strides, so a permuted block would not reshape there)."""
-    return rows if dim == 0 else rows.movedim(0, dim).contiguous()
+        out = block.new_empty((n * block.shape[0], *block.shape[1:]))
+        issue_eager("all_gather", mesh, axis, nbytes, all_gather_single, out, block)
+    return _stacked_to_cat(out.view(n, *block.shape), dim)
 
 
 def _rest(t: torch.Tensor, dim: int) -> int:
@@ -135,18 +175,20 @@ def reduce_scatter(
     if full.numel() == 0:
         return full.narrow(dim, sum(lengths[:me]), lengths[me]).clone()
     nbytes = (full.shape[dim] - lengths[me]) * rest * full.element_size()
-    rows = _rows_first(full, dim)
-    if len(set(lengths)) == 1 and traced(rows):
+    piece = _piece_shape(full.shape, dim, lengths[me])
+    if len(set(lengths)) > 1:
+        recv = _a2a_flat("reduce_scatter", mesh, axis, nbytes, _flat_pieces(full, dim, lengths),
+                         [l * rest for l in lengths], [lengths[me] * rest] * n)
+        return _finish_avg(_LOCAL_REDUCE[op](recv.view(n, *piece)), op, n)
+    stacked = _cat_to_stacked(full, dim, n)  # [n, *piece]: piece s is the s-th flat run
+    rows = stacked.view(n * piece[0], *piece[1:])
+    if traced(rows):
         out = issue_traced("reduce_scatter", mesh, axis, nbytes, funcol.reduce_scatter_tensor, rows,
                             _FUNCTIONAL_OPS[op], 0)
-    elif len(set(lengths)) == 1:
-        out = rows.new_empty((lengths[0], *rows.shape[1:]))
-        issue_eager("reduce_scatter", mesh, axis, nbytes, reduce_scatter_single, out, rows, op=_REDUCE_OPS[op])
     else:
-        recv = _a2a_flat("reduce_scatter", mesh, axis, nbytes, rows.reshape(-1),
-                         [l * rest for l in lengths], [lengths[me] * rest] * n)
-        out = _LOCAL_REDUCE[op](recv.view(n, lengths[me], *rows.shape[1:]))
-    return _in_place_of(_finish_avg(out, op, n), dim)
+        out = rows.new_empty(piece)
+        issue_eager("reduce_scatter", mesh, axis, nbytes, reduce_scatter_single, out, rows, op=_REDUCE_OPS[op])
+    return _finish_avg(out, op, n)
 
 
 def all_reduce(tensor: torch.Tensor, mesh: DeviceMesh, axis: int, op: str) -> torch.Tensor:
@@ -184,22 +226,15 @@ def all_to_all(
     if math.prod(full_shape) == 0:
         full_shape[split_dim] = split_lengths[me]
         return tensor.new_zeros(full_shape)
-    offsets = [sum(split_lengths[:s]) for s in range(n)]
-    pieces = [tensor.narrow(split_dim, offsets[s], split_lengths[s]) for s in range(n)]
-    send = torch.cat([p.reshape(-1) for p in pieces])
-    kept = pieces[me].numel()
+    send = _flat_pieces(tensor, split_dim, split_lengths)
+    piece_shape = _piece_shape(tensor.shape, split_dim, split_lengths[me])
+    kept = math.prod(piece_shape)
     nbytes = (send.numel() - kept) * tensor.element_size()
-    piece_shape = list(tensor.shape)
-    piece_shape[split_dim] = split_lengths[me]
-    per_peer = []
-    for s in range(n):
-        shape = list(piece_shape)
-        shape[cat_dim] = cat_lengths[s]
-        per_peer.append(shape)
-    recv = _a2a_flat("all_to_all", mesh, axis, nbytes, send, [p.numel() for p in pieces],
+    rest = _rest(tensor, split_dim)
+    per_peer = [_piece_shape(piece_shape, cat_dim, length) for length in cat_lengths]
+    recv = _a2a_flat("all_to_all", mesh, axis, nbytes, send, [length * rest for length in split_lengths],
                      [math.prod(s) for s in per_peer])
-    chunks = torch.split(recv, [math.prod(s) for s in per_peer])
-    return torch.cat([c.view(s) for c, s in zip(chunks, per_peer)], dim=cat_dim)
+    return _cat_pieces(recv, per_peer, cat_dim)
 
 
 def all_to_all_counts(
