@@ -23,7 +23,8 @@ and every pair of layouts over {R, S0, S1, P(sum)} per mesh axis (a deterministi
   least the busiest rank sends in one round (a plan of several steps may relay below it; for
   Partial sources the any-schedule bound, which bound.py shows is not always reachable
   together with the total: rows marked "sw max > LB" there may be at their best);
-* median wall time over --reps repetitions (barrier before each, the slowest rank's time);
+* median wall time over --reps repetitions or more (barrier before each, the slowest rank's
+  time; quick transitions get up to --max-reps, about --budget-ms of timing per library);
 * correctness: the result's placements, this rank's block, and full_tensor() must equal the
   source global tensor, for both libraries. Any mismatch is printed as WRONG and the run exits 3.
 
@@ -54,7 +55,12 @@ PLACEMENTS = ("R", "S0", "S1", "P")
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per transition (default 5, --quick 2)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed repetitions per transition, at least (default 5, --quick 2)")
+    p.add_argument("--budget-ms", type=float, default=None,
+                   help="more reps for quick transitions, until one library's reps take about this long "
+                        "(at most --max-reps; default 100, --quick 0: off)")
+    p.add_argument("--max-reps", type=int, default=60)
     p.add_argument("--quick", action="store_true", help="a subset of transitions and fewer reps (< 60 s)")
     p.add_argument("--meshes", default="4,2x2,2x2x2", help="comma-separated mesh shapes (default 4,2x2,2x2x2)")
     p.add_argument("--shapes", default=None,
@@ -70,6 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.reps = 2 if args.quick else 5
     if args.sample is None:
         args.sample = 30 if args.quick else 0
+    if args.budget_ms is None:
+        args.budget_ms = 0.0 if args.quick else 100.0
     if args.shapes is None:
         args.shapes = "8x4,7x5,512x512,511x509" if args.quick else "8x4,7x5,1024x1024,1023x1021"
     args.mesh_shapes = [_dims(s) for s in args.meshes.split(",")]
@@ -233,12 +241,14 @@ class Row:
     sw_max: int = 0
     sw_reported_mismatch: bool = False  # CommDebugMode figure != bytes of the collectives seen
     sw_ms: float = float("nan")
+    sw_best_ms: float = float("nan")  # the fastest rep (the least disturbed by load)
     sw_error: str = ""  # shardwise raised
     sw_wrong: str = ""  # shardwise's result is not the source tensor in the target layout
     torch_path: str = "api"  # "api", "int" (internal redistribute_local_tensor), "n/a"
     torch_r0: int = 0
     torch_max: int = 0
     torch_ms: float = float("nan")
+    torch_best_ms: float = float("nan")
     torch_error: str = ""  # torch raised (the transition is n/a for torch)
     torch_wrong: str = ""
     sw_calls: list = field(default_factory=list)
@@ -342,9 +352,16 @@ class Bench:
         return bool(flag.item())
 
     def timed_pair(self, fn_a, fn_b) -> tuple[list[float], list[float]]:
-        """Seconds per rep of ``fn_a`` and ``fn_b`` (None: not run, NaN), a barrier before each call."""
+        """Seconds per rep of ``fn_a`` and ``fn_b`` (None: not run, NaN), a barrier before each call.
+
+        Both get the same number of reps, alternating (and alternating which goes first), so load
+        changes hit both alike: ``--reps``, raised for quick transitions until the slower library's
+        reps take about ``--budget-ms`` (a sub-millisecond transition's median over 5 reps is mostly
+        noise). Every rank agrees on the count (a MAX reduction of the first pair's times)."""
         times: tuple[list[float], list[float]] = ([], [])
-        for rep in range(self.args.reps):
+        reps = self.args.reps
+        rep = 0
+        while rep < reps:
             order = ((0, fn_a), (1, fn_b)) if rep % 2 == 0 else ((1, fn_b), (0, fn_a))
             for which, fn in order:
                 if fn is None:
@@ -354,7 +371,17 @@ class Bench:
                 t0 = time.perf_counter()
                 fn()
                 times[which].append(time.perf_counter() - t0)
+            if rep == 0:
+                reps = self.agreed_reps(max((t for t in (times[0][0], times[1][0]) if t == t), default=0.0))
+            rep += 1
         return times
+
+    def agreed_reps(self, first_s: float) -> int:
+        """The reps every rank runs: ``--reps`` or more, so that quick transitions fill the budget."""
+        slowest = self.torch.tensor([first_s], dtype=self.torch.float64)
+        self.dist.all_reduce(slowest, op=self.dist.ReduceOp.MAX)
+        wanted = math.ceil(self.args.budget_ms / 1e3 / max(float(slowest), 1e-6))
+        return max(self.args.reps, min(self.args.max_reps, wanted))
 
     def measure(self, lib: str, fn):
         """Run ``fn`` once under the spy (and CommDebugMode for shardwise): (out, spy, reported, error)."""
@@ -386,7 +413,8 @@ class Bench:
 
         start = time.perf_counter()
         self.say(f"redistribute benchmark: shardwise vs torch {torch.__version__} "
-                 f"(gloo, {self.world} CPU processes, float32, {args.reps} timed reps, "
+                 f"(gloo, {self.world} CPU processes, float32, {args.reps} to {max(args.reps, args.max_reps)} timed reps "
+                 f"(a budget of {args.budget_ms:g} ms per library), "
                  f"{'quick' if args.quick else 'full'} run)")
         for mesh_shape in args.mesh_shapes:
             names = ("x",) if len(mesh_shape) == 1 else tuple("abcdefgh"[: len(mesh_shape)])
@@ -501,7 +529,7 @@ class Bench:
             self.dist.all_reduce(stats, op=self.dist.ReduceOp.MAX)
             self.dist.all_reduce(totals)
             row.sw_total, row.torch_total = int(totals[0]), int(totals[1])
-            reps = self.args.reps
+            reps = len(sw_times)
             row.sw_r0, row.torch_r0 = int(r0[0]), int(r0[1])
             row.sw_max, row.torch_max = int(stats[0]), int(stats[1])
             if stats[2] > 0:
@@ -512,8 +540,10 @@ class Bench:
             # Median over reps of the slowest rank's time.
             if not row.sw_error:
                 row.sw_ms = statistics.median(stats[5: 5 + reps].tolist()) * 1e3
+                row.sw_best_ms = min(stats[5: 5 + reps].tolist()) * 1e3
             if row.torch_path != "n/a":
                 row.torch_ms = statistics.median(stats[5 + reps:].tolist()) * 1e3
+                row.torch_best_ms = min(stats[5 + reps:].tolist()) * 1e3
             rows.append(row)
             if self.args.trace:
                 self.say(f"  [{row.label}] plan: {row.sw_plan}\n"
@@ -560,6 +590,8 @@ class Bench:
                 notes.append("!! CommDebugMode bytes != collectives seen")
             tb = lambda b: kib(b) if r.torch_path != "n/a" else "-"  # noqa: E731
             ratio = r.sw_ms / r.torch_ms if r.compared and r.torch_ms > 0 else float("nan")
+            if r.compared and r.sw_best_ms > r.torch_best_ms:
+                notes.append(f"slower at best {r.sw_best_ms:.2f}/{r.torch_best_ms:.2f} ms")
             print(f"{r.label:<{w}} {kib(r.sw_max):>9} {kib(r.sw_total):>9} {tb(r.torch_max):>9} "
                   f"{tb(r.torch_total):>9} {kib(r.lower_bound):>9} {kib(r.lb_total):>9} "
                   f"{_ms(r.sw_ms):>8} {_ms(r.torch_ms):>8} {_x(ratio):>8}  " + "; ".join(notes))
@@ -611,6 +643,7 @@ def summarize(rows: list[Row]) -> list[str]:
     worst_max = max((div(r.sw_max, r.lower_bound) for r in ran if r.lower_bound), default=float("nan"))
     free_but_sent = sum(r.lb_total == 0 and r.sw_total > 0 for r in ran)
     ratios = [r.sw_ms / r.torch_ms for r in both if r.torch_ms > 0 and r.sw_ms > 0]
+    best = [r.sw_best_ms / r.torch_best_ms for r in both if r.torch_best_ms > 0 and r.sw_best_ms > 0]
     geo = math.exp(statistics.fmean(math.log(x) for x in ratios)) if ratios else float("nan")
     med = statistics.median(ratios) if ratios else float("nan")
     sw_t, t_t = sum(r.sw_ms for r in both), sum(r.torch_ms for r in both)
@@ -627,7 +660,8 @@ def summarize(rows: list[Row]) -> list[str]:
         f"all ranks {sum(r.sw_total > r.torch_total for r in both)}; fewer (all ranks): "
         f"{sum(r.sw_total < r.torch_total for r in both)}",
         f"  time: shardwise {sw_t:,.1f} ms, torch {t_t:,.1f} ms; per-transition sw/torch median {_x(med)}, "
-        f"geometric mean {_x(geo)}, slower than torch in {sum(x > 1 for x in ratios)} of {len(ratios)}",
+        f"geometric mean {_x(geo)}, slower than torch in {sum(x > 1 for x in ratios)} of {len(ratios)} "
+        f"(by the fastest rep of each: {sum(x > 1 for x in best)}, median {_x(statistics.median(best) if best else math.nan)})",
     ]
     if only:
         lines.append(
