@@ -153,6 +153,8 @@ def all_gather(
     else:
         out = block.new_empty((n * block.shape[0], *block.shape[1:]))
         issue_eager("all_gather", mesh, axis, nbytes, all_gather_single, out, block)
+    if dim == 0:  # the gathered buffer itself: a view would hold a second reference to it
+        return out
     return _stacked_to_cat(out.view(n, *block.shape), dim)
 
 
