@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=d.pp,
                    help="pipeline-parallel degree: the blocks are split into --pp stages of equally many layers (2 x "
                         "--pp with interleaved_1f1b), each parallelized on its own ranks")
+    p.add_argument("--ep", type=int, default=d.ep,
+                   help="expert-parallel degree (--family moe): the routed experts are split over ep of the "
+                        "dp-shard ranks, tokens sent to their experts by all_to_all; must divide --dp-shard")
     p.add_argument("--pp-schedule", default=d.pp_schedule, choices=("gpipe", "1f1b", "interleaved_1f1b"),
                    help="pipeline schedule (torch.distributed.pipelining's)")
     p.add_argument("--pp-microbatches", type=int, metavar="M", default=d.pp_microbatches,
