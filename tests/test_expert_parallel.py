@@ -1,0 +1,181 @@
+"""Expert parallelism: an ExpertParallel MoE layer equals the one-process layer (outputs, expert and
+router gradients, the load-balancing bias), with the collectives it promises; the trainer's ep
+layouts train to the one-process losses; bad ep jobs are refused up front.
+
+The oracle is the same MoE layer (or the trainer's same job) run in one process on the union of
+every rank's tokens. README, "Expert parallelism".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import (BASE, assert_parity, layout_id, one_process_losses, refusal_in_launcher, search,
+                           with_config)
+
+RANKS = 4
+TOKENS = (2, 5)  # per rank: 2 sequences of 5 tokens (10 tokens x top-2 = 20 rows over 8 experts)
+
+
+# ---------------------------------------------------------------------- the dispatch plan (pure)
+def test_dispatch_plan_sends_every_row_once_and_groups_by_expert():
+    from shardwise.parallel.expert_parallel import plan_dispatch
+
+    plan = plan_dispatch([1, 2, 0, 3], [1, 2, 4, 0], peers=2)
+    assert (plan.send_splits, plan.recv_splits, plan.expert_rows) == ([3, 3], [3, 4], [5, 2])
+    assert plan.regroup.tolist() == [0, 3, 4, 5, 6, 1, 2]  # expert 0 from both senders, then expert 1
+    generator = torch.Generator().manual_seed(0)
+    recv = torch.randint(0, 4, (12,), generator=generator).tolist()
+    plan = plan_dispatch([0] * 12, recv, peers=4)
+    assert sorted(plan.regroup.tolist()) == list(range(sum(recv)))
+    with pytest.raises(ValueError, match="cannot be split over 5 ranks"):
+        plan_dispatch([0] * 12, [0] * 12, peers=5)
+
+
+# ---------------------------------------------------------------------- one layer vs one process
+def _layer_and_tokens(skewed: bool = False):
+    """The tiny_moe config's MoE layer (seeded), and every rank's tokens [ranks, 2, 5, dim].
+
+    Without its auxiliary loss: its gradient is a mean over each rank's sequences, which the
+    trainer's data parallelism averages (the parity runs check it), not this test's sum.
+    """
+    from dataclasses import replace
+
+    from shardwise.train.models.moe import CONFIGS, MoE
+
+    torch.manual_seed(0)
+    args = CONFIGS["tiny_moe"]
+    layer = MoE(args.dim, replace(args.moe, aux_loss_coeff=0.0))
+    layer.init_weights(0.02)
+    if skewed:  # experts 0 and 1 win every token at first
+        with torch.no_grad():
+            layer.router.gate.weight[:2] += 0.5
+    tokens = torch.randn(RANKS, *TOKENS, args.dim)
+    return layer, tokens
+
+
+def _expert_parallel_layer(check_comms: bool):
+    """On every rank: the layer's output, gradients and collectives under ExpertParallel(ep=4)."""
+    import shardwise as sw
+    from shardwise.debug import CommDebugMode
+    from shardwise.parallel import ExpertParallel, parallelize_module
+
+    layer, tokens = _layer_and_tokens()
+    mesh = sw.init_device_mesh("cpu", (RANKS,), mesh_dim_names=("ep",))
+    rank = mesh.get_local_rank()
+    parallelize_module(layer, mesh, {"experts": ExpertParallel()})
+    x = tokens[rank].clone().requires_grad_(True)
+    probe = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(1))[rank]
+    with CommDebugMode() as forward:
+        out = layer(x)
+    with CommDebugMode() as backward:
+        (out * probe).sum().backward()
+    experts = {name: p.grad.to_local() for name, p in layer.experts.named_parameters()}
+    gate = layer.router.gate.weight.grad
+    return {"out": out.detach(), "x_grad": x.grad, "experts": experts, "gate": gate,
+            "counts": layer.tokens_per_expert.clone(),
+            "comms": (forward.get_comm_counts().get("all_to_all", 0), backward.get_comm_counts().get("all_to_all", 0))}
+
+
+def test_expert_parallel_layer_equals_one_process_values_and_gradients(dist):
+    per_rank = dist.run(RANKS, _expert_parallel_layer, True, timeout=120)
+    layer, tokens = _layer_and_tokens()
+    x = tokens.clone().requires_grad_(True)
+    probe = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(1))
+    out = layer(x.flatten(0, 1)).view_as(x)  # every rank's sequences in one batch
+    (out * probe).sum().backward()
+    local = layer.args.num_experts // RANKS
+    for rank, got in enumerate(per_rank):
+        torch.testing.assert_close(got["out"], out[rank].detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["x_grad"], x.grad[rank], rtol=1e-5, atol=1e-6)
+        for name, grad in got["experts"].items():  # this rank's experts: every rank's tokens' gradients
+            want = getattr(layer.experts, name).grad[rank * local:(rank + 1) * local]
+            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+        assert got["comms"] == (3, 2), "forward: counts, dispatch, combine; backward: the two row exchanges"
+    torch.testing.assert_close(sum(r["gate"] for r in per_rank), layer.router.gate.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sum(r["counts"] for r in per_rank), layer.tokens_per_expert)
+
+
+# ---------------------------------------------------------------------- load balancing
+def _imbalance(counts: torch.Tensor) -> float:
+    return float(counts.max() / counts.mean())
+
+
+def _balancing_steps(layer, tokens: torch.Tensor, steps: int, dp_mesh=None) -> list[float]:
+    """Forward ``tokens`` ``steps`` times, updating the bias after each; the imbalance seen at each."""
+    from shardwise.train.models.moe.parallelize import update_expert_bias
+
+    seen = []
+    for _ in range(steps):
+        with torch.no_grad():
+            layer(tokens)
+        counts = layer.tokens_per_expert.clone()
+        update_expert_bias(layer, dp_mesh)
+        seen.append(counts)
+    return seen
+
+
+def test_load_balancing_bias_moves_a_skewed_router_towards_balance():
+    layer, tokens = _layer_and_tokens(skewed=True)  # load_balance_coeff 1e-2
+    seen = _balancing_steps(layer, tokens.flatten(0, 1), steps=40)
+    assert _imbalance(seen[0]) > 2, "the router is not skewed to start with"
+    assert _imbalance(seen[-1]) < 0.65 * _imbalance(seen[0]), [_imbalance(c) for c in seen]
+    assert float(layer.expert_bias[:2].max()) < 0 < float(layer.expert_bias[2:].max())
+
+
+def _balancing_under_ep(steps: int):
+    import shardwise as sw
+    from shardwise.parallel import ExpertParallel, parallelize_module
+
+    layer, tokens = _layer_and_tokens(skewed=True)
+    mesh = sw.init_device_mesh("cpu", (RANKS,), mesh_dim_names=("ep",))
+    parallelize_module(layer, mesh, {"experts": ExpertParallel()})
+    _balancing_steps(layer, tokens[mesh.get_local_rank()], steps, dp_mesh=mesh)
+    return layer.expert_bias.clone()
+
+
+def test_load_balancing_bias_under_expert_parallelism_equals_one_process(dist):
+    steps = 12
+    per_rank = dist.run(RANKS, _balancing_under_ep, steps, timeout=120)
+    layer, tokens = _layer_and_tokens(skewed=True)
+    seen = _balancing_steps(layer, tokens.flatten(0, 1), steps)
+    assert _imbalance(seen[-1]) < _imbalance(seen[0])
+    for bias in per_rank:
+        torch.testing.assert_close(bias, layer.expert_bias, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- the trainer's ep layouts
+MOE = with_config(BASE, "tiny_moe") + ["--family", "moe"]
+LAYOUTS = [
+    (4, ["--ep", "4"]),
+    (4, ["--ep", "2", "--tp", "2", "--sequence-parallel"]),
+    (4, ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"]),
+    (8, ["--ep", "2", "--dp-shard", "4"]),
+]
+
+
+@pytest.fixture(scope="module")
+def moe_reference() -> list[float]:
+    return list(one_process_losses(tuple(MOE)))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("nproc,flags", LAYOUTS, ids=layout_id)
+def test_expert_parallel_layout_trains_to_the_one_process_losses(trainer_runs, moe_reference, nproc, flags):
+    assert_parity(trainer_runs.losses(nproc, ["--family", "moe", *flags], config="tiny_moe"), moe_reference,
+                  " ".join(flags))
+    assert moe_reference[-1] < moe_reference[0], "the reference run does not learn"
+
+
+# ---------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc", "4", "--ep", "3"], r"--ep 3 must divide the FSDP degree dp_shard = 4"),
+    (["--nproc", "4", "--ep", "2", "--cp", "2"], r"--ep 2 with --cp 2 is not supported yet"),
+    (["--nproc", "2", "--ep", "2", "--family", "llama", "--config", "tiny"], r"model family 'llama' has no experts"),
+    (["--nproc", "16", "--ep", "16", "--dp-shard", "16", "--global-batch", "16"],
+     r"--ep 16 must divide the experts of config 'tiny_moe': num_experts=8"),
+])
+def test_a_bad_ep_job_is_one_error_line(monkeypatch, capsys, argv, message):
+    err = refusal_in_launcher(monkeypatch, capsys, [*MOE, *argv])
+    assert search(message, err), err
