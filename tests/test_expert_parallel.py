@@ -97,6 +97,35 @@ def test_expert_parallel_layer_equals_one_process_values_and_gradients(dist):
     torch.testing.assert_close(sum(r["counts"] for r in per_rank), layer.tokens_per_expert)
 
 
+# ---------------------------------------------------------------------- the trainer's model: gradients
+def _trainer_gradients(argv: list[str]) -> dict[str, torch.Tensor]:
+    """The trainer's model for ``argv`` after one forward and backward of step 0's batch: every
+    parameter's whole gradient (rank 0's answer; ``full_tensor`` is collective, so all ranks ask)."""
+    from shardwise.train import cli
+    from shardwise.train.data import BatchSource, load_corpus
+    from shardwise.train.trainer import Runtime, build_model, loss_fn
+
+    job = cli.job_from_argv(argv)
+    runtime = Runtime.create(job)
+    model = build_model(job, runtime)
+    data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
+    inputs, labels = data.batch_at(0)
+    loss_fn(model(inputs), labels).backward()
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for name, p in model.named_parameters()}
+
+
+def test_expert_gradients_under_ep_and_fsdp_equal_one_process(dist):
+    """--ep 2 --dp-shard 4: experts split over 2 ranks and FSDP-sharded over the other 2, their
+    gradients divided by all 4 data-parallel ranks (AdamW would hide a wrong factor in the losses)."""
+    argv = MOE + ["--nproc", "4", "--ep", "2", "--dp-shard", "4"]
+    got = dist.run(4, _trainer_gradients, argv, timeout=120)[0]
+    want = _trainer_gradients(MOE)
+    assert got.keys() == want.keys() and any(".moe.experts." in name for name in got)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
 # ---------------------------------------------------------------------- load balancing
 def _imbalance(counts: torch.Tensor) -> float:
     return float(counts.max() / counts.mean())
@@ -151,7 +180,8 @@ LAYOUTS = [
     (4, ["--ep", "4"]),
     (4, ["--ep", "2", "--tp", "2", "--sequence-parallel"]),
     (4, ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"]),
-    (8, ["--ep", "2", "--dp-shard", "4"]),
+    (4, ["--ep", "2", "--dp-shard", "4"]),  # experts also FSDP-sharded, over the 2 ranks holding the same ones
+    (8, ["--ep", "2", "--dp-shard", "4", "--tp", "2"]),
 ]
 
 
