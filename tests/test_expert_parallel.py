@@ -206,6 +206,7 @@ def test_expert_parallel_layout_trains_to_the_one_process_losses(trainer_runs, m
     (["--nproc", "4", "--ep", "3"], r"--ep 3 must divide the FSDP degree dp_shard = 4"),
     (["--nproc", "4", "--ep", "2", "--cp", "2"], r"--ep 2 with --cp 2 is not supported yet"),
     (["--nproc", "2", "--ep", "2", "--family", "llama", "--config", "tiny"], r"model family 'llama' has no experts"),
+    (["--nproc", "4", "--ep", "2", "--simulate"], r"--simulate with --ep 2 is not supported yet"),
     (["--nproc", "16", "--ep", "16", "--dp-shard", "16", "--global-batch", "16"],
      r"--ep 16 must divide the experts of config 'tiny_moe': num_experts=8"),
 ])

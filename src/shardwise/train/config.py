@@ -241,6 +241,9 @@ class JobConfig:
         self.model_family().check_degrees(model, dims, self.config)
         if dims.ep > 1 and self.model_family().expert_parallel is None:
             raise ConfigError(f"--ep {dims.ep}: model family {self.family!r} has no experts (use --family moe)")
+        if dims.ep > 1 and self.simulate:
+            raise ConfigError(f"--simulate with --ep {dims.ep} is not supported yet (the token dispatch reads its "
+                              f"counts from the device); simulate the layout without --ep")
         self._check_layout(dims)
         self._check_pipeline(model, dims)
         self._check_checkpointing()

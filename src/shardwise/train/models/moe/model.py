@@ -201,10 +201,11 @@ class MoE(nn.Module):
         flat = x.reshape(-1, dim)  # [tokens, dim]
         bias = self.expert_bias if self.args.load_balance_coeff is not None else None
         selected, weights, scores = self.router(flat, bias)  # [tokens, k] x2, [tokens, experts]
-        counts = torch.bincount(selected.flatten(), minlength=self.args.num_experts)  # [experts]
+        choices = selected.flatten()  # [tokens * k]
+        counts = choices.new_zeros(self.args.num_experts).scatter_add_(0, choices, torch.ones_like(choices))  # [experts]
         with torch.no_grad():
             self.tokens_per_expert += counts
-        order = selected.flatten().argsort(stable=True)  # token-choices sorted by expert
+        order = choices.argsort(stable=True)  # token-choices sorted by expert
         token_of = order // self.args.top_k  # [tokens * k]
         routed = self.experts(flat[token_of], counts)  # [tokens * k, dim]
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
