@@ -34,8 +34,8 @@ def test_dispatch_plan_sends_every_row_once_and_groups_by_expert():
 
 
 # ---------------------------------------------------------------------- one layer vs one process
-def _layer_and_tokens(skewed: bool = False):
-    """The tiny_moe config's MoE layer (seeded), and every rank's tokens [ranks, 2, 5, dim].
+def _layer_and_tokens(groups: int = RANKS, skewed: bool = False):
+    """The tiny_moe config's MoE layer (seeded), and each group's tokens [groups, 2, 5, dim].
 
     Without its auxiliary loss: its gradient is a mean over each rank's sequences, which the
     trainer's data parallelism averages (the parity runs check it), not this test's sum.
@@ -51,50 +51,67 @@ def _layer_and_tokens(skewed: bool = False):
     if skewed:  # experts 0 and 1 win every token at first
         with torch.no_grad():
             layer.router.gate.weight[:2] += 0.5
-    tokens = torch.randn(RANKS, *TOKENS, args.dim)
+    tokens = torch.randn(groups, *TOKENS, args.dim)
     return layer, tokens
 
 
-def _expert_parallel_layer(check_comms: bool):
-    """On every rank: the layer's output, gradients and collectives under ExpertParallel(ep=4)."""
-    import shardwise as sw
-    from shardwise.debug import CommDebugMode
-    from shardwise.parallel import ExpertParallel, parallelize_module
+STYLES = {  # (mesh shape, axis names, style, the tokens' groups: one per ep rank)
+    "ep4": ((4,), ("ep",), "ExpertParallel", 4),
+    "ep2_tp2": ((2, 2), ("ep", "tp"), "ExpertTensorParallel", 2),
+    "tp4": ((4,), ("tp",), "TensorParallel", 1),
+}
 
-    layer, tokens = _layer_and_tokens()
-    mesh = sw.init_device_mesh("cpu", (RANKS,), mesh_dim_names=("ep",))
-    rank = mesh.get_local_rank()
-    parallelize_module(layer, mesh, {"experts": ExpertParallel()})
-    x = tokens[rank].clone().requires_grad_(True)
-    probe = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(1))[rank]
+
+def _expert_parallel_layer(kind: str):
+    """On every rank: the layer's output, gradients and collectives under the style of ``kind``."""
+    import shardwise as sw
+    import shardwise.parallel.expert_parallel as styles
+    from shardwise.debug import CommDebugMode
+    from shardwise.parallel import parallelize_module
+
+    mesh_shape, names, style, groups = STYLES[kind]
+    layer, tokens = _layer_and_tokens(groups)
+    mesh = sw.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    group = mesh.get_local_rank("ep") if "ep" in names else 0  # the tp ranks of an ep rank hold the same tokens
+    parallelize_module(layer, mesh, {"experts": getattr(styles, style)()})
+    x = tokens[group].clone().requires_grad_(True)
+    probe = _probe(tokens)[group]
     with CommDebugMode() as forward:
         out = layer(x)
     with CommDebugMode() as backward:
         (out * probe).sum().backward()
-    experts = {name: p.grad.to_local() for name, p in layer.experts.named_parameters()}
-    gate = layer.router.gate.weight.grad
-    return {"out": out.detach(), "x_grad": x.grad, "experts": experts, "gate": gate,
-            "counts": layer.tokens_per_expert.clone(),
-            "comms": (forward.get_comm_counts().get("all_to_all", 0), backward.get_comm_counts().get("all_to_all", 0))}
+    experts = {name: p.grad.full_tensor() for name, p in layer.experts.named_parameters()}
+    first_of_group = "tp" not in names or mesh.get_local_rank("tp") == 0
+    return {"out": out.detach(), "x_grad": x.grad, "experts": experts, "group": group,
+            "gate": layer.router.gate.weight.grad if first_of_group else None,
+            "counts": layer.tokens_per_expert.clone() if first_of_group else None,
+            "comms": [{k: v for k, v in c.get_comm_counts().items() if v} for c in (forward, backward)]}
 
 
-def test_expert_parallel_layer_equals_one_process_values_and_gradients(dist):
-    per_rank = dist.run(RANKS, _expert_parallel_layer, True, timeout=120)
-    layer, tokens = _layer_and_tokens()
+def _probe(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.randn(tokens.shape, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("kind", list(STYLES))
+def test_expert_parallel_layer_equals_one_process_values_and_gradients(dist, kind):
+    per_rank = dist.run(RANKS, _expert_parallel_layer, kind, timeout=120)
+    _, names, style, groups = STYLES[kind]
+    layer, tokens = _layer_and_tokens(groups)
     x = tokens.clone().requires_grad_(True)
-    probe = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(1))
-    out = layer(x.flatten(0, 1)).view_as(x)  # every rank's sequences in one batch
-    (out * probe).sum().backward()
-    local = layer.args.num_experts // RANKS
-    for rank, got in enumerate(per_rank):
-        torch.testing.assert_close(got["out"], out[rank].detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got["x_grad"], x.grad[rank], rtol=1e-5, atol=1e-6)
-        for name, grad in got["experts"].items():  # this rank's experts: every rank's tokens' gradients
-            want = getattr(layer.experts, name).grad[rank * local:(rank + 1) * local]
-            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
-        assert got["comms"] == (3, 2), "forward: counts, dispatch, combine; backward: the two row exchanges"
-    torch.testing.assert_close(sum(r["gate"] for r in per_rank), layer.router.gate.weight.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(sum(r["counts"] for r in per_rank), layer.tokens_per_expert)
+    out = layer(x.flatten(0, 1)).view_as(x)  # every group's sequences in one batch
+    (out * _probe(tokens)).sum().backward()
+    split_over_ep = [{"all_to_all": 3}, {"all_to_all": 2}]  # counts, dispatch, combine; the two row exchanges
+    over_tp = {"all_reduce": 1}  # forward: the experts' partial sums; backward: the rows' gradient
+    for got in per_rank:
+        torch.testing.assert_close(got["out"], out[got["group"]].detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["x_grad"], x.grad[got["group"]], rtol=1e-5, atol=1e-6)
+        for name, grad in got["experts"].items():  # every group's tokens' gradients, gathered whole
+            torch.testing.assert_close(grad, getattr(layer.experts, name).grad, rtol=1e-5, atol=1e-6)
+        want = [{**(c if "ep" in names else {}), **(over_tp if "tp" in names else {})} for c in split_over_ep]
+        assert got["comms"] == want, got["comms"]
+    firsts = [r for r in per_rank if r["gate"] is not None]
+    torch.testing.assert_close(sum(r["gate"] for r in firsts), layer.router.gate.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sum(r["counts"] for r in firsts), layer.tokens_per_expert)
 
 
 # ---------------------------------------------------------------------- the trainer's model: gradients

@@ -5,7 +5,7 @@
    dicts keyed by module path. Parameters become DTensors sharded over tp.
    Expert parallelism over the "ep" axis (``ModelFamily.expert_parallel``): the routed
    experts' weights become DTensors sharded over the experts, tokens travel to them by
-   all_to_all (README, "Expert parallelism").
+   all_to_all; with tp each expert is also split over "tp" (README, "Expert parallelism").
 2. Activation checkpointing per block (``ModelFamily.blocks``: recompute its activations in
    backward), then, with ``--compile``, ``torch.compile`` per block.
 3. Data parallelism over the dp axes, chosen from the degrees as torchtitan does:
@@ -123,10 +123,11 @@ def parallelize(model: nn.Module, family: ModelFamily, dims: ParallelDims, world
     if dims.tp_enabled:
         assert api is not None
         family.tensor_parallel(model, world_mesh["tp"], options, api)
-    if dims.ep_enabled:
-        if family.expert_parallel is None:
-            raise ValueError(f"model family {family.name!r} has no experts to shard over ep={dims.ep}")
-        family.expert_parallel(model, world_mesh["ep"], options)
+    if dims.ep_enabled and family.expert_parallel is None:
+        raise ValueError(f"model family {family.name!r} has no experts to shard over ep={dims.ep}")
+    if family.expert_parallel is not None and (dims.ep_enabled or dims.tp_enabled):
+        axes = tuple(a for a, on in (("ep", dims.ep_enabled), ("tp", dims.tp_enabled)) if on)
+        family.expert_parallel(model, world_mesh[axes], options)
     blocks = family.block_modules(model)
     if options.activation_checkpointing:
         apply_ac(blocks)

@@ -85,8 +85,9 @@ class ModelFamily:
         for_seq_len: ``for_seq_len(args, seq_len)`` -> args that can run sequences of
             ``seq_len`` (a longer rotary table); default: unchanged.
         notes: config name -> what it is for (``--help`` prints it next to its size).
-        expert_parallel: ``expert_parallel(model, ep_mesh, options)`` shards the model's routed
-            experts over the 1-D ``ep_mesh`` (``shardwise.parallel.ExpertParallel``); None: the
+        expert_parallel: ``expert_parallel(model, experts_mesh, options)`` splits the model's
+            routed experts over ``experts_mesh``, whose axes are "ep" and/or "tp" (called when
+            either degree is > 1; ``shardwise.parallel.expert_parallel``'s styles); None: the
             family has no experts and ``--ep`` is refused.
         after_optimizer_step: ``after_optimizer_step(model, dp_mesh)``, called by the trainer
             after every optimizer step with the data-parallel mesh (None for one process): state

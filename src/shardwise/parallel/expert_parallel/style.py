@@ -36,11 +36,11 @@ from torch import nn
 from shardwise import comm
 from shardwise.core.mesh import DeviceMesh
 from shardwise.core.placement import Shard
-from shardwise.parallel.expert_parallel.all_to_all import all_to_all_rows
+from shardwise.parallel.expert_parallel.all_to_all import all_to_all_rows, copy_to_axis, sum_over_axis
 from shardwise.parallel.expert_parallel.dispatch import DispatchPlan, plan_dispatch
 from shardwise.parallel.tensor_parallel.style import ParallelStyle, _check_plain, _shard_parameter, describe_module
 
-__all__ = ["ExpertParallel"]
+__all__ = ["ExpertParallel", "install_dispatch"]
 
 
 @dataclass
@@ -77,35 +77,44 @@ class ExpertParallel(ParallelStyle):
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         for name, _ in list(module.named_parameters(recurse=False)):
             _shard_parameter(module, name, mesh, Shard(0), self.src_data_rank)
-        state: dict[str, _InFlight] = {}
-
-        def before(mod: nn.Module, inputs: tuple) -> tuple:
-            rows, counts, *rest = inputs
-            local, state["call"] = _dispatch(rows, counts, mesh)
-            return (*local, *rest)
-
-        def after(mod: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
-            return _combine(out, state.pop("call"), mesh)
-
-        module.register_forward_pre_hook(before)
-        module.register_forward_hook(after)
+        install_dispatch(module, mesh, ep_axis=0)
         return module
 
 
-def _dispatch(rows: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh) -> tuple[tuple, _InFlight]:
+def install_dispatch(module: nn.Module, mesh: DeviceMesh, ep_axis: int, tp_axis: int | None = None) -> None:
+    """The hooks around ``module``: dispatch its rows over ``ep_axis`` of ``mesh`` before it,
+    combine them after; with ``tp_axis``, the experts' partial results are summed over it."""
+    state: dict[str, _InFlight] = {}
+
+    def before(mod: nn.Module, inputs: tuple) -> tuple:
+        rows, counts, *rest = inputs
+        (rows, counts), state["call"] = _dispatch(rows, counts, mesh, ep_axis)
+        rows = copy_to_axis(rows, mesh, tp_axis) if tp_axis is not None else rows
+        return (rows, counts, *rest)
+
+    def after(mod: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        out = sum_over_axis(out, mesh, tp_axis) if tp_axis is not None else out
+        return _combine(out, state.pop("call"), mesh, ep_axis)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+
+
+def _dispatch(rows: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh, axis: int) -> tuple[tuple, _InFlight]:
     """(rows of this rank's experts sorted by expert, their counts on the host), and the plan."""
-    peers = mesh.size()
+    peers = mesh.size(axis)
     counts = counts.to(torch.int64)
-    recv = comm.all_to_all_counts(counts, [len(counts) // peers] * peers, [len(counts) // peers] * peers, mesh, 0)
+    per_peer = [len(counts) // peers] * peers
+    recv = comm.all_to_all_counts(counts, per_peer, per_peer, mesh, axis)  # [experts]: peer s's counts for mine
     both = torch.cat([counts, recv]).tolist()  # the one host synchronization: [2 * experts]
     plan = plan_dispatch(both[:len(counts)], both[len(counts):], peers)
-    received = all_to_all_rows(rows, plan.send_splits, plan.recv_splits, mesh)  # [sum(recv_splits), dim] by sender
+    received = all_to_all_rows(rows, plan.send_splits, plan.recv_splits, mesh, axis)  # [sum(recv_splits), dim]
     regroup = plan.regroup.to(rows.device, non_blocking=True)
     local_counts = torch.tensor(plan.expert_rows, dtype=torch.int64)  # on the host: the experts read no device
     return (received[regroup], local_counts), _InFlight(plan, regroup)
 
 
-def _combine(out: torch.Tensor, call: _InFlight, mesh: DeviceMesh) -> torch.Tensor:
+def _combine(out: torch.Tensor, call: _InFlight, mesh: DeviceMesh, axis: int) -> torch.Tensor:
     """The experts' output rows back in the by-sender order, then back to their senders."""
     by_sender = torch.empty_like(out).index_copy(0, call.regroup, out)  # [sum(recv_splits), dim]
-    return all_to_all_rows(by_sender, call.plan.recv_splits, call.plan.send_splits, mesh)  # [sum(send_splits), dim]
+    return all_to_all_rows(by_sender, call.plan.recv_splits, call.plan.send_splits, mesh, axis)  # [sum(send), dim]

@@ -1,6 +1,7 @@
-"""The MoE family's parallel plans: tensor parallelism (Llama's, with the MoE layer computed
-whole on every tp rank), expert parallelism (``ExpertParallel`` on each layer's routed
-experts), and the load-balancing update after each optimizer step.
+"""The MoE family's parallel plans: tensor parallelism (Llama's, with the MoE layer's tokens
+whole on every tp rank), the routed experts split over ep and/or tp (``ExpertParallel``,
+``TensorParallel``, ``ExpertTensorParallel``), and the load-balancing update after each
+optimizer step.
 
 The generic steps after them (activation checkpointing -> compile -> FSDP/HSDP, the experts
 sharded over the ranks that hold the same experts) are ``shardwise.train.parallelize``'s.
@@ -25,8 +26,9 @@ __all__ = ["apply_tp", "apply_ep", "update_expert_bias"]
 
 def _moe_boundary(between: Placement) -> PrepareModuleInputOutput:
     """The MoE layer takes the residual stream whole (plain, the same on every tp rank) and
-    hands it back in the stream's layout: every tp rank routes and computes all the layer's
-    tokens (the experts are not split over tp: an expert tensor-parallel style is future work)."""
+    hands it back in the stream's layout: every tp rank routes all the layer's tokens, each
+    computes its slice of every expert (``apply_ep``: experts split over tp); the router and
+    the shared expert run whole on each tp rank."""
     return PrepareModuleInputOutput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
                                     use_local_input=True, output_layouts=(Replicate(),),
                                     desired_output_layouts=(between,), use_local_output=True)
@@ -45,14 +47,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: ParallelOptions, ap
         api.parallelize_module(layer, tp_mesh, plan)
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, options: ParallelOptions) -> None:
-    """Shard every MoE layer's routed experts over the 1-D ``ep_mesh`` (``ExpertParallel``)."""
+def apply_ep(model: nn.Module, experts_mesh: DeviceMesh, options: ParallelOptions) -> None:
+    """Split every MoE layer's routed experts over ``experts_mesh``: ``ExpertParallel`` on
+    ("ep",), ``TensorParallel`` on ("tp",), ``ExpertTensorParallel`` on ("ep", "tp")."""
     from shardwise.parallel import parallelize_module
-    from shardwise.parallel.expert_parallel import ExpertParallel
+    from shardwise.parallel.expert_parallel import ExpertParallel, ExpertTensorParallel, TensorParallel
 
+    styles = {("ep",): ExpertParallel, ("tp",): TensorParallel, ("ep", "tp"): ExpertTensorParallel}
+    style = styles[tuple(experts_mesh.mesh_dim_names or ())]
     for layer in model.layers.values():
         if isinstance(layer, MoEBlock):
-            parallelize_module(layer, ep_mesh, {"moe.experts": ExpertParallel()})
+            parallelize_module(layer, experts_mesh, {"moe.experts": style()})
 
 
 def update_expert_bias(model: nn.Module, dp_mesh: DeviceMesh | None) -> None:
