@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import (BASE, assert_parity, layout_id, one_process_losses, refusal_in_launcher, search,
-                           with_config)
+                           train_run, with_config)
 
 RANKS = 4
 TOKENS = (2, 5)  # per rank: 2 sequences of 5 tokens (10 tokens x top-2 = 20 rows over 8 experts)
@@ -216,6 +216,21 @@ def test_expert_parallel_layout_trains_to_the_one_process_losses(trainer_runs, m
     assert_parity(trainer_runs.losses(nproc, ["--family", "moe", *flags], config="tiny_moe"), moe_reference,
                   " ".join(flags))
     assert moe_reference[-1] < moe_reference[0], "the reference run does not learn"
+
+
+@pytest.mark.e2e
+def test_checkpoint_saved_under_ep_resumes_without_ep_with_the_same_losses(dist, tmp_path):
+    """Saved on --ep 4 after 3 steps (experts Shard(0) over 4 ranks, AdamW moments, the
+    load-balancing bias), resumed on --ep 2 --tp 2 for the rest, then the last step again on
+    --dp-shard 4 without ep: the losses of the uninterrupted one-process run."""
+    ckpt = str(tmp_path / "ckpt")
+    whole = one_process_losses(tuple(MOE))
+    layouts = [(["--ep", "4", "--stop-after", "3"], slice(0, 3)), (["--ep", "2", "--tp", "2", "--stop-after", "5"],
+                                                                    slice(3, 5)), (["--dp-shard", "4"], slice(5, 6))]
+    for i, (flags, steps) in enumerate(layouts):
+        resume = ["--resume"] if i else []
+        got = dist.run(4, train_run, MOE + ["--nproc", "4", "--checkpoint-dir", ckpt, *resume, *flags], timeout=240)
+        assert_parity(got[0]["losses"], list(whole[steps]), " ".join(flags), steps=steps.stop - steps.start)
 
 
 # ---------------------------------------------------------------------- refusals
