@@ -167,8 +167,8 @@ CONFIGS: dict[str, MoEModelArgs] = {
     # Eight blocks of width 512, 16 experts: for a GPU.
     "small_moe": MoEModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, multiple_of=256, n_dense_layers=1,
                               moe=MoEArgs(num_experts=16, top_k=2, hidden_dim=512, num_shared_experts=1)),
-    # DeepSeek-V2-Lite's shapes (16B, 2.4B active; its MLA attention replaced by grouped-query
-    # attention of the same width): 27 blocks, the first dense (width 10944), 64 experts of
+    # DeepSeek-V2-Lite's shapes (its MLA attention replaced by grouped-query attention of the
+    # same width): 27 blocks, the first dense (width 10944), 64 experts of
     # width 1408, top-6, 2 shared, softmax scores. For --simulate and shardwise.plan.
     "deepseek_v2_lite": MoEModelArgs(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, vocab_size=102400,
                                      multiple_of=64, ffn_dim_multiplier=2.004, rope_theta=10000.0, max_seq_len=4096,
