@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, formatter_class=_HelpFormatter,
                                 description="Train a model of any registered family (default: a Llama-style decoder) on the "
                                 "Python standard library's source with "
-                                "any mix of FSDP/HSDP, DDP, TP, SP, loss parallelism, context parallelism (--cp) and pipeline "
-                                "parallelism (--pp).")
+                                "any mix of FSDP/HSDP, DDP, TP, SP, loss parallelism, context parallelism (--cp), pipeline "
+                                "parallelism (--pp) and expert parallelism (--ep, --family moe).")
     p.add_argument("--family", default=d.family, metavar="NAME",
                    help="model family (shardwise.train.spec): " + ", ".join(family_names()))
     p.add_argument("--config", default=d.config, metavar="NAME", help="model shapes, by family: " + _configs_help())
