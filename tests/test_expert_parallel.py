@@ -33,6 +33,21 @@ def test_dispatch_plan_sends_every_row_once_and_groups_by_expert():
         plan_dispatch([0] * 12, [0] * 12, peers=5)
 
 
+def test_ep_borrows_its_ranks_from_dp_shard_in_the_mesh_axes():
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.train import JobConfig
+
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=4, ep=2, world_size=8)
+    assert hsdp.mesh_axes() == [("dp_replicate", 2), ("dp_shard_mod_ep", 2), ("dp_shard_in_ep", 2)]
+    flat = hsdp.flattened_axes()  # every axis the trainer names keeps its ranks
+    assert flat["dp_shard"] == ("dp_shard_mod_ep", "dp_shard_in_ep") and flat["ep"] == ("dp_shard_in_ep",)
+    assert flat["dp"] == flat["dp_cp"] == ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep")
+    # All of dp_shard holds different experts: FSDP's axis for them stays, of size 1.
+    assert ParallelDims(dp_shard=4, ep=4, world_size=4).mesh_axes() == [("dp_shard_mod_ep", 1), ("dp_shard_in_ep", 4)]
+    job = JobConfig(family="moe", config="tiny_moe", nproc=4, ep=2, tp=2).validate()
+    assert job.describe_layout().startswith("FSDP dp_shard=2 + TP tp=2 + EP ep=2") and "ep=2" in job.layout()
+
+
 # ---------------------------------------------------------------------- one layer vs one process
 def _layer_and_tokens(groups: int = RANKS, skewed: bool = False):
     """The tiny_moe config's MoE layer (seeded), and each group's tokens [groups, 2, 5, dim].
