@@ -129,6 +129,26 @@ def test_expert_parallel_layer_equals_one_process_values_and_gradients(dist, kin
     torch.testing.assert_close(sum(r["counts"] for r in firsts), layer.tokens_per_expert)
 
 
+def _misfit_experts(kind: str) -> None:
+    """On every rank: a style refused before any collective (the plan is checked first)."""
+    import shardwise as sw
+    import shardwise.parallel.expert_parallel as styles
+    from shardwise.parallel import parallelize_module
+    from shardwise.train.models.moe.model import GroupedExperts
+
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    experts = GroupedExperts(8, 4, 3)  # 3 experts on 2 ranks
+    parallelize_module(experts, mesh, getattr(styles, kind)())
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("ExpertParallel", r"the same number of experts along dim 0, divisible by the 2 ranks"),
+    ("ExpertTensorParallel", r"needs a 2-D \(ep, tp\) mesh"),
+])
+def test_a_style_that_does_not_fit_is_refused_on_every_rank(dist, kind, message):
+    dist.run_expect_error(2, _misfit_experts, kind, match=message, exc_type=ValueError)
+
+
 # ---------------------------------------------------------------------- the trainer's model: gradients
 def _trainer_gradients(argv: list[str]) -> dict[str, torch.Tensor]:
     """The trainer's model for ``argv`` after one forward and backward of step 0's batch: every
