@@ -234,9 +234,9 @@ LAYOUTS = [
     (4, ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"]),
     (4, ["--ep", "2", "--dp-shard", "4"]),  # experts also FSDP-sharded, over the 2 ranks holding the same ones
     (8, ["--ep", "2", "--dp-shard", "4", "--tp", "2"]),
-    # Not ep, but MoE state across microbatches: torch's pipelining runs each stage once more at
-    # the first step to infer shapes, which must not count towards the load-balancing bias.
-    (4, ["--pp", "2", "--dp-shard", "2"]),
+    # Pipeline stages, each with its experts over ep; torch's pipelining runs each stage once more
+    # at the first step to infer shapes, which must not count towards the load-balancing bias.
+    (4, ["--ep", "2", "--pp", "2", "--dp-shard", "2"]),
 ]
 
 

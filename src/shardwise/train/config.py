@@ -160,13 +160,12 @@ class JobConfig:
                             pp=dims.pp, ep=self.ep, world_size=self.nproc)
 
     def _check_expert_degree(self, dims: ParallelDims) -> None:
-        """``--ep`` borrows ranks from dp_shard x cp: it must divide them (and, for now, run without cp and pp)."""
+        """``--ep`` borrows ranks from dp_shard x cp: it must divide them (and, for now, run without cp)."""
         if self.ep < 1:
             raise ConfigError(f"--ep must be at least 1, got {self.ep}")
-        if dims.cp > 1 or dims.pp > 1:
-            used = " and ".join(f for f, on in ((f"--cp {dims.cp}", dims.cp > 1), (f"--pp {dims.pp}", dims.pp > 1)) if on)
-            raise ConfigError(f"--ep {self.ep} with {used} is not supported yet; expert parallelism combines with "
-                              f"--dp-shard, --dp-replicate and --tp")
+        if dims.cp > 1:
+            raise ConfigError(f"--ep {self.ep} with --cp {dims.cp} is not supported yet; expert parallelism combines "
+                              f"with --dp-shard, --dp-replicate, --tp and --pp")
         if dims.dp_shard % self.ep:
             raise ConfigError(f"--ep {self.ep} must divide the FSDP degree dp_shard = {dims.dp_shard}: expert "
                               f"parallelism borrows its ranks from dp_shard (experts split over ep of them, "
