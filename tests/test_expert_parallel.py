@@ -237,20 +237,19 @@ LAYOUTS = [
     # Pipeline stages, each with its experts over ep; torch's pipelining runs each stage once more
     # at the first step to infer shapes, which must not count towards the load-balancing bias.
     (4, ["--ep", "2", "--pp", "2", "--dp-shard", "2"]),
+    # ep over the cp ranks (dp_shard 2 x cp 2: ep = cp); the config has no sequence-wise aux loss.
+    (4, ["--ep", "2", "--cp", "2", "--config", "tiny_moe_cp"]),
 ]
-
-
-@pytest.fixture(scope="module")
-def moe_reference() -> list[float]:
-    return list(one_process_losses(tuple(MOE)))
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("nproc,flags", LAYOUTS, ids=layout_id)
-def test_expert_parallel_layout_trains_to_the_one_process_losses(trainer_runs, moe_reference, nproc, flags):
-    assert_parity(trainer_runs.losses(nproc, ["--family", "moe", *flags], config="tiny_moe"), moe_reference,
-                  " ".join(flags))
-    assert moe_reference[-1] < moe_reference[0], "the reference run does not learn"
+def test_expert_parallel_layout_trains_to_the_one_process_losses(trainer_runs, nproc, flags):
+    config = flags[flags.index("--config") + 1] if "--config" in flags else "tiny_moe"
+    flags = [f for f in flags if f not in ("--config", config)]
+    reference = list(one_process_losses(tuple(with_config(MOE, config))))
+    assert_parity(trainer_runs.losses(nproc, ["--family", "moe", *flags], config=config), reference, " ".join(flags))
+    assert reference[-1] < reference[0], "the reference run does not learn"
 
 
 @pytest.mark.e2e
@@ -271,7 +270,9 @@ def test_checkpoint_saved_under_ep_resumes_without_ep_with_the_same_losses(dist,
 # ---------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("argv,message", [
     (["--nproc", "4", "--ep", "3"], r"--ep 3 must divide the FSDP degree dp_shard = 4"),
-    (["--nproc", "4", "--ep", "2", "--cp", "2"], r"--ep 2 with --cp 2 is not supported yet"),
+    (["--nproc", "8", "--ep", "2", "--cp", "4", "--config", "tiny_moe_cp", "--seq-len", "64"],
+     r"--ep 2 must divide the FSDP degree dp_shard x cp = 2 x 4 = 8 and be a multiple of --cp 4"),
+    (["--nproc", "4", "--cp", "2"], r"config 'tiny_moe''s auxiliary balance loss \(aux_loss_coeff=0.01\)"),
     (["--nproc", "2", "--ep", "2", "--family", "llama", "--config", "tiny"], r"model family 'llama' has no experts"),
     (["--nproc", "4", "--ep", "2", "--simulate"], r"--simulate with --ep 2 is not supported yet"),
     (["--nproc", "16", "--ep", "16", "--dp-shard", "16", "--global-batch", "16"],

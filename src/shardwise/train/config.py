@@ -160,16 +160,15 @@ class JobConfig:
                             pp=dims.pp, ep=self.ep, world_size=self.nproc)
 
     def _check_expert_degree(self, dims: ParallelDims) -> None:
-        """``--ep`` borrows ranks from dp_shard x cp: it must divide them (and, for now, run without cp)."""
+        """``--ep`` borrows ranks from dp_shard x cp: it must divide them, and take whole cp groups."""
         if self.ep < 1:
             raise ConfigError(f"--ep must be at least 1, got {self.ep}")
-        if dims.cp > 1:
-            raise ConfigError(f"--ep {self.ep} with --cp {dims.cp} is not supported yet; expert parallelism combines "
-                              f"with --dp-shard, --dp-replicate, --tp and --pp")
-        if dims.dp_shard % self.ep:
-            raise ConfigError(f"--ep {self.ep} must divide the FSDP degree dp_shard = {dims.dp_shard}: expert "
-                              f"parallelism borrows its ranks from dp_shard (experts split over ep of them, "
-                              f"sharded by FSDP over the other dp_shard / ep)")
+        borrowed = dims.dp_shard * dims.cp
+        if borrowed % self.ep or (dims.cp > 1 and self.ep % dims.cp):
+            over = f"dp_shard x cp = {dims.dp_shard} x {dims.cp} = {borrowed}" if dims.cp > 1 else f"dp_shard = {borrowed}"
+            cp = f" and be a multiple of --cp {dims.cp} (each ep group takes whole cp groups)" if dims.cp > 1 else ""
+            raise ConfigError(f"--ep {self.ep} must divide the FSDP degree {over}{cp}: expert parallelism borrows "
+                              f"its ranks from them (experts split over ep of them, sharded by FSDP over the rest)")
 
     def _check_degrees(self) -> None:
         """The product of the degrees is the world size, said in the CLI's flags.

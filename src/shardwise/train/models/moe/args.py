@@ -162,6 +162,11 @@ CONFIGS: dict[str, MoEModelArgs] = {
                              moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=32, num_shared_experts=1,
                                          num_groups=4, top_groups=2, route_scale=1.5, load_balance_coeff=1e-2,
                                          aux_loss_coeff=1e-2)),
+    # Context-parallel parity tests: tiny_moe without its auxiliary loss, which is sequence-wise
+    # (--cp splits the sequences; check_degrees refuses the two together).
+    "tiny_moe_cp": MoEModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, multiple_of=32, n_dense_layers=1,
+                                moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=32, num_shared_experts=1,
+                                            num_groups=4, top_groups=2, route_scale=1.5, load_balance_coeff=1e-2)),
     # Learns on a CPU: 8 experts, top-2, width 128 (see CONFIG_NOTES for its measured speed).
     "debug_moe": MoEModelArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, n_dense_layers=1, moe=_DEBUG_MOE),
     # Eight blocks of width 512, 16 experts: for a GPU.
@@ -180,6 +185,7 @@ CONFIGS: dict[str, MoEModelArgs] = {
 
 CONFIG_NOTES: dict[str, str] = {
     "tiny_moe": "the MoE parity tests' model",
+    "tiny_moe_cp": "tiny_moe without the auxiliary loss, for --cp",
     "debug_moe": "8 experts top-2, learns on a CPU",
     "small_moe": "16 experts top-2, for a GPU",
     "deepseek_v2_lite": "DeepSeek-V2-Lite shapes (64 experts, top-6), for --simulate and shardwise.plan",
@@ -187,11 +193,16 @@ CONFIG_NOTES: dict[str, str] = {
 
 
 def check_degrees(args: MoEModelArgs, dims: ParallelDims, config: str) -> None:
-    """Llama's head checks for ``--tp``; ``--ep`` divides the routed experts."""
+    """Llama's head checks for ``--tp``; ``--ep`` divides the routed experts; ``--cp`` would cut
+    the sequences the auxiliary loss is computed over."""
     llama_check_degrees(args.llama_args(), dims, config)
     if args.moe.num_experts % dims.ep:
         raise ConfigError(f"--ep {dims.ep} must divide the experts of config {config!r}: "
                           f"num_experts={args.moe.num_experts}")
+    if dims.cp > 1 and args.moe.aux_loss_coeff > 0:
+        raise ConfigError(f"--cp {dims.cp} splits every sequence over ranks, but config {config!r}'s auxiliary "
+                          f"balance loss (aux_loss_coeff={args.moe.aux_loss_coeff}) is computed per whole sequence; "
+                          f"use a config without it")
 
 
 def flops_per_token(args: MoEModelArgs, seq_len: int) -> float:
