@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--pp with interleaved_1f1b), each parallelized on its own ranks")
     p.add_argument("--ep", type=int, default=d.ep,
                    help="expert-parallel degree (--family moe): the routed experts are split over ep of the "
-                        "dp-shard ranks, tokens sent to their experts by all_to_all; must divide --dp-shard")
+                        "dp-shard x cp ranks, tokens sent to their experts by all_to_all; must divide dp-shard x cp")
     p.add_argument("--pp-schedule", default=d.pp_schedule, choices=("gpipe", "1f1b", "interleaved_1f1b"),
                    help="pipeline schedule (torch.distributed.pipelining's)")
     p.add_argument("--pp-microbatches", type=int, metavar="M", default=d.pp_microbatches,

@@ -64,7 +64,7 @@ class JobConfig:
         dp_replicate / dp_shard / cp / tp: parallel degrees (dp_shard=-1 takes what is left); cp
             shards each sequence over the cp ranks (ring attention, load-balanced layout).
         pp: pipeline-parallel degree: the blocks are split into stages (``pipeline_split.py``).
-        ep: expert-parallel degree: the routed experts are split over ep of the dp_shard ranks,
+        ep: expert-parallel degree: the routed experts are split over ep of the dp_shard x cp ranks,
             tokens sent to their experts by all_to_all (README, "Expert parallelism").
         pp_schedule: the pipeline schedule: gpipe, 1f1b or interleaved_1f1b (two stages per rank).
         pp_microbatches: microbatches per step through the pipeline (None: ``pp``).
