@@ -242,7 +242,7 @@ def test_help_shows_every_meaningful_default():
         entry = entries[action.option_strings[0]]
         assert f"(default: {action.default})" in entry, entry
         shown += 1
-    assert shown == 19, shown  # family, config, dp degrees, cp, tp, pp, pp schedule, steps, batch, seq len, lr, ..., compile backend
+    assert shown == 20, shown  # family, config, dp degrees, cp, tp, pp, ep, pp schedule, steps, batch, seq len, lr, ..., compile backend
     assert "(default: None)" not in parser.format_help() and "(default: False)" not in parser.format_help()
 
 

@@ -8,6 +8,14 @@ the chattiest parallelism gets the fastest links), plus flattened axes used by t
 * ``dp`` = dp_replicate x dp_shard: the data-parallel ranks (data loading, loss averaging);
 * ``dp_shard_cp`` = dp_shard x cp: the ranks FSDP shards parameters over;
 * ``dp_cp`` = dp_replicate x dp_shard x cp: the ranks gradients and the loss are reduced over.
+
+Expert parallelism borrows its ranks from dp_shard x cp (README, "Expert parallelism"): with
+ep > 1 the dp_shard axis is built as two axes, ``dp_shard_mod_ep`` (outer, kept even when it
+is 1: fully_shard shards the experts over it) and ``dp_shard_in_ep`` (inner), and ``dp_shard``
+becomes their flattening, so every axis above keeps its name and its ranks. Then
+
+* ``ep`` = dp_shard_in_ep x cp: the ranks that hold different experts (the all_to_alls);
+* ``dp_shard_mod_ep``: the ranks that hold the same experts, over which FSDP shards them.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ _FLATTENED = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+# With ep > 1: dp_shard is two axes, and ep their inner one with cp.
+_EP_SPLIT = ("dp_shard_mod_ep", "dp_shard_in_ep")
+_EP_FLATTENED = {"dp_shard": _EP_SPLIT, "ep": ("dp_shard_in_ep", "cp")}
 
 
 @dataclass
@@ -87,6 +98,9 @@ class ParallelDims:
             )
         if (self.dp_shard * self.cp) % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp_shard*cp = {self.dp_shard * self.cp} ({self._degrees()})")
+        if self.ep > 1 and self.ep % self.cp:
+            raise ValueError(f"ep={self.ep} must be a multiple of cp={self.cp}: the ep ranks are dp_shard ranks x "
+                             f"all the cp ranks ({self._degrees()})")
 
     # ------------------------------------------------------------------ which are on
     @property
@@ -127,6 +141,16 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def dp_shard_mod_ep(self) -> int:
+        """Ranks of dp_shard x cp holding the same experts (FSDP shards the experts over them)."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """The dp_shard part of the ep ranks (the rest of ep is cp)."""
+        return self.ep // self.cp
+
+    @property
     def dp_degree(self) -> int:
         """How many ways the global batch is split."""
         return self.dp_replicate * self.dp_shard
@@ -151,16 +175,28 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ mesh
     def mesh_axes(self) -> list[tuple[str, int]]:
-        """The (name, size) of each world-mesh axis: the degrees > 1, outermost first."""
-        axes = [(name, getattr(self, name)) for name in _AXIS_ORDER if getattr(self, name) > 1]
+        """The (name, size) of each world-mesh axis: the degrees > 1, outermost first.
+
+        With ep > 1, dp_shard is ``dp_shard_mod_ep`` (always present, even of size 1: the
+        experts' FSDP axis) and ``dp_shard_in_ep`` (when > 1).
+        """
+        axes: list[tuple[str, int]] = []
+        for name in _AXIS_ORDER:
+            if name == "dp_shard" and self.ep_enabled:
+                axes.append(("dp_shard_mod_ep", self.dp_shard_mod_ep))
+                axes += [("dp_shard_in_ep", self.dp_shard_in_ep)] if self.dp_shard_in_ep > 1 else []
+            elif getattr(self, name) > 1:
+                axes.append((name, getattr(self, name)))
         return axes or [("dp_shard", 1)]
 
     def flattened_axes(self) -> dict[str, tuple[str, ...]]:
         """Flattened axis name -> the world-mesh axes it merges (only those that exist)."""
         present = {name for name, _ in self.mesh_axes()}
         out = {}
-        for name, parts in _FLATTENED.items():
-            kept = tuple(p for p in parts if p in present)
+        split = dict(_EP_FLATTENED) if self.ep_enabled else {}
+        for name, parts in {**split, **_FLATTENED}.items():
+            expanded = [q for p in parts for q in (split[p] if p in split and p != name else (p,))]
+            kept = tuple(p for p in expanded if p in present)
             if kept:
                 out[name] = kept
         return out

@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, formatter_class=_HelpFormatter,
                                 description="Train a model of any registered family (default: a Llama-style decoder) on the "
                                 "Python standard library's source with "
-                                "any mix of FSDP/HSDP, DDP, TP, SP, loss parallelism, context parallelism (--cp) and pipeline "
-                                "parallelism (--pp).")
+                                "any mix of FSDP/HSDP, DDP, TP, SP, loss parallelism, context parallelism (--cp), pipeline "
+                                "parallelism (--pp) and expert parallelism (--ep, --family moe).")
     p.add_argument("--family", default=d.family, metavar="NAME",
                    help="model family (shardwise.train.spec): " + ", ".join(family_names()))
     p.add_argument("--config", default=d.config, metavar="NAME", help="model shapes, by family: " + _configs_help())
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=d.pp,
                    help="pipeline-parallel degree: the blocks are split into --pp stages of equally many layers (2 x "
                         "--pp with interleaved_1f1b), each parallelized on its own ranks")
+    p.add_argument("--ep", type=int, default=d.ep,
+                   help="expert-parallel degree (--family moe): the routed experts are split over ep of the "
+                        "dp-shard x cp ranks, tokens sent to their experts by all_to_all; must divide dp-shard x cp")
     p.add_argument("--pp-schedule", default=d.pp_schedule, choices=("gpipe", "1f1b", "interleaved_1f1b"),
                    help="pipeline schedule (torch.distributed.pipelining's)")
     p.add_argument("--pp-microbatches", type=int, metavar="M", default=d.pp_microbatches,

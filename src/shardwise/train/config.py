@@ -64,6 +64,8 @@ class JobConfig:
         dp_replicate / dp_shard / cp / tp: parallel degrees (dp_shard=-1 takes what is left); cp
             shards each sequence over the cp ranks (ring attention, load-balanced layout).
         pp: pipeline-parallel degree: the blocks are split into stages (``pipeline_split.py``).
+        ep: expert-parallel degree: the routed experts are split over ep of the dp_shard x cp ranks,
+            tokens sent to their experts by all_to_all (README, "Expert parallelism").
         pp_schedule: the pipeline schedule: gpipe, 1f1b or interleaved_1f1b (two stages per rank).
         pp_microbatches: microbatches per step through the pipeline (None: ``pp``).
         sequence_parallel: shard norms and residuals along the sequence over the tp axis.
@@ -104,6 +106,7 @@ class JobConfig:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
     sequence_parallel: bool = False
@@ -146,10 +149,26 @@ class JobConfig:
         """The degrees as a validated ``ParallelDims`` (dp_shard=-1 resolved)."""
         self._check_degrees()
         try:
-            return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
+            dims = ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
                                 pp=self.pp, world_size=self.nproc)
         except ValueError as err:
             raise ConfigError(f"parallel degrees do not fit --nproc {self.nproc}: {err}") from None
+        if self.ep == 1:
+            return dims
+        self._check_expert_degree(dims)
+        return ParallelDims(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp,
+                            pp=dims.pp, ep=self.ep, world_size=self.nproc)
+
+    def _check_expert_degree(self, dims: ParallelDims) -> None:
+        """``--ep`` borrows ranks from dp_shard x cp: it must divide them, and take whole cp groups."""
+        if self.ep < 1:
+            raise ConfigError(f"--ep must be at least 1, got {self.ep}")
+        borrowed = dims.dp_shard * dims.cp
+        if borrowed % self.ep or (dims.cp > 1 and self.ep % dims.cp):
+            over = f"dp_shard x cp = {dims.dp_shard} x {dims.cp} = {borrowed}" if dims.cp > 1 else f"dp_shard = {borrowed}"
+            cp = f" and be a multiple of --cp {dims.cp} (each ep group takes whole cp groups)" if dims.cp > 1 else ""
+            raise ConfigError(f"--ep {self.ep} must divide the FSDP degree {over}{cp}: expert parallelism borrows "
+                              f"its ranks from them (experts split over ep of them, sharded by FSDP over the rest)")
 
     def _check_degrees(self) -> None:
         """The product of the degrees is the world size, said in the CLI's flags.
@@ -198,7 +217,8 @@ class JobConfig:
     def layout(self) -> str:
         """A short name of the layout, e.g. ``dp_shard=2 tp=2 +sp +loss_parallel``."""
         dims = self.parallel_dims()
-        parts = [f"{n}={getattr(dims, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(dims, n) > 1]
+        parts = [f"{n}={getattr(dims, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+                 if getattr(dims, n) > 1]
         if dims.pp > 1:
             parts.append(f"+{self.pp_schedule}")
         flags = [f for f, on in (("+sp", self.sequence_parallel), ("+loss_parallel", self.loss_parallel),
@@ -217,6 +237,11 @@ class JobConfig:
         dims = self.parallel_dims()
         self._check_batch(dims)
         self.model_family().check_degrees(model, dims, self.config)
+        if dims.ep > 1 and self.model_family().expert_parallel is None:
+            raise ConfigError(f"--ep {dims.ep}: model family {self.family!r} has no experts (use --family moe)")
+        if dims.ep > 1 and self.simulate:
+            raise ConfigError(f"--simulate with --ep {dims.ep} is not supported yet (the token dispatch reads its "
+                              f"counts from the device); simulate the layout without --ep")
         self._check_layout(dims)
         self._check_pipeline(model, dims)
         self._check_checkpointing()
@@ -237,7 +262,7 @@ class JobConfig:
     def _check_numbers(self) -> None:
         at_least_one = {"--nproc": self.nproc, "--steps": self.steps, "--global-batch": self.global_batch,
                         "--log-every": self.log_every, "--tp": self.tp, "--cp": self.cp, "--pp": self.pp,
-                        "--dp-replicate": self.dp_replicate}
+                        "--dp-replicate": self.dp_replicate, "--ep": self.ep}
         bad = [f"{k} {v}" for k, v in at_least_one.items() if v < 1]
         if bad:
             raise ConfigError(f"must be at least 1: {', '.join(bad)}")

@@ -3,6 +3,9 @@
 1. Tensor (and sequence) parallelism over the "tp" mesh axis: the family's own plan
    (``ModelFamily.tensor_parallel``, e.g. ``shardwise.train.models.llama.parallelize``), plan
    dicts keyed by module path. Parameters become DTensors sharded over tp.
+   Expert parallelism over the "ep" axis (``ModelFamily.expert_parallel``): the routed
+   experts' weights become DTensors sharded over the experts, tokens travel to them by
+   all_to_all; with tp each expert is also split over "tp" (README, "Expert parallelism").
 2. Activation checkpointing per block (``ModelFamily.blocks``: recompute its activations in
    backward), then, with ``--compile``, ``torch.compile`` per block.
 3. Data parallelism over the dp axes, chosen from the degrees as torchtitan does:
@@ -13,6 +16,9 @@
    are averaged over it with the data-parallel ones. The model code is unchanged: the trainer
    runs each step inside ``context_parallel`` (inputs, labels and the family's sequence buffers
    sharded along the sequence, attention as ring attention over the cp axis).
+   Expert-parallel modules are their own FSDP units, sharded over ``dp_shard_mod_ep`` (the
+   ranks that hold the same experts; with dp_replicate as HSDP) and their gradients divided by
+   every data-parallel rank (``expert_fsdp``).
 
 The order matters: FSDP shards whatever parameters it finds, so it must come after TP has
 turned them into tp-sharded DTensors (FSDP then adds its own axis), and after checkpointing
@@ -41,7 +47,7 @@ from shardwise.train.spec import Args, ModelFamily
 
 __all__ = ["ParallelAPI", "shardwise_api", "ParallelOptions", "parallelize", "build_parallel_model", "RankStages",
            "build_stages", "fsdp_applies_mixed_precision", "apply_ac", "apply_compile", "compile_backend",
-           "apply_fsdp", "apply_ddp"]
+           "apply_fsdp", "apply_ddp", "ExpertFSDP", "expert_fsdp"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,11 @@ def parallelize(model: nn.Module, family: ModelFamily, dims: ParallelDims, world
     if dims.tp_enabled:
         assert api is not None
         family.tensor_parallel(model, world_mesh["tp"], options, api)
+    if dims.ep_enabled and family.expert_parallel is None:
+        raise ValueError(f"model family {family.name!r} has no experts to shard over ep={dims.ep}")
+    if family.expert_parallel is not None and (dims.ep_enabled or dims.tp_enabled):
+        axes = tuple(a for a, on in (("ep", dims.ep_enabled), ("tp", dims.tp_enabled)) if on)
+        family.expert_parallel(model, world_mesh[axes], options)
     blocks = family.block_modules(model)
     if options.activation_checkpointing:
         apply_ac(blocks)
@@ -125,7 +136,8 @@ def parallelize(model: nn.Module, family: ModelFamily, dims: ParallelDims, world
     if dims.fsdp_enabled:
         shard = "dp_shard_cp" if dims.cp_enabled else "dp_shard"
         axes = ("dp_replicate", shard) if dims.dp_replicate_enabled else shard
-        apply_fsdp(model, blocks, world_mesh[axes], options.mixed_precision, api)
+        apply_fsdp(model, blocks, world_mesh[axes], options.mixed_precision, api,
+                   experts=expert_fsdp(dims, world_mesh) if dims.ep_enabled else None)
     elif dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"], api)
     return model
@@ -277,20 +289,53 @@ def apply_ac(blocks: Iterable[nn.Module]) -> None:
 
 
 # ---------------------------------------------------------------------- data parallelism
+@dataclass(frozen=True)
+class ExpertFSDP:
+    """How FSDP treats expert-parallel modules: the mesh of the ranks holding the same experts,
+    and what their summed gradients are divided by."""
+
+    mesh: Any
+    divide_factor: int
+
+
+def expert_fsdp(dims: ParallelDims, world_mesh) -> ExpertFSDP:
+    """Experts are sharded over ``dp_shard_mod_ep`` (HSDP with dp_replicate). An expert's
+    gradient on its owner already sums the tokens of its ep peers (the all_to_all's backward
+    brings them), so it is divided by all dp_replicate x dp_shard x cp ranks: the mean over the
+    global batch, as dense gradients get by averaging."""
+    axes = ("dp_replicate", "dp_shard_mod_ep") if dims.dp_replicate_enabled else "dp_shard_mod_ep"
+    return ExpertFSDP(world_mesh[axes], dims.dp_replicate * dims.dp_shard * dims.cp)
+
+
+def _expert_modules(block: nn.Module) -> list[nn.Module]:
+    """Modules of ``block`` holding parameters sharded over an "ep" mesh axis."""
+    def on_ep(param: torch.Tensor) -> bool:
+        mesh = getattr(param, "device_mesh", None)
+        return mesh is not None and "ep" in (mesh.mesh_dim_names or ())
+
+    return [m for m in block.modules() if any(on_ep(p) for p in m.parameters(recurse=False))]
+
+
 def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], dp_mesh, mixed_precision: bool,
-               api: ParallelAPI | None = None) -> None:
+               api: ParallelAPI | None = None, experts: ExpertFSDP | None = None) -> None:
     """Shard parameters over ``dp_mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP).
 
     Each block is its own unit (its parameters are gathered just before it runs and freed
     after); the root unit holds the rest (an embedding, final norm and output layer). The last
     block keeps its parameters after forward, since backward needs them first, and so does the
     root (its output layer runs first in backward): fully_shard's default for the root, as in torch's FSDP2.
+    With ``experts``, each expert-parallel module of a block is a unit of its own first, on
+    ``experts.mesh``, its gradients divided by ``experts.divide_factor``.
     """
     api = api or shardwise_api()
     fully_shard, MixedPrecisionPolicy = api.fully_shard, api.MixedPrecisionPolicy
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed_precision else MixedPrecisionPolicy())
     for i, block in enumerate(blocks):
+        for module in _expert_modules(block) if experts is not None else []:
+            assert experts is not None
+            fully_shard(module, mesh=experts.mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+            module.set_gradient_divide_factor(experts.divide_factor)
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)  # the root keeps its parameters (default)
 

@@ -47,6 +47,10 @@ def _no_check(args: Args, dims: ParallelDims, config: str) -> None:
     return None
 
 
+def _nothing_after_step(model: nn.Module, dp_mesh: DeviceMesh | None) -> None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFamily:
     """One model family: its configs and how the trainer builds, parallelizes and counts it.
@@ -81,6 +85,13 @@ class ModelFamily:
         for_seq_len: ``for_seq_len(args, seq_len)`` -> args that can run sequences of
             ``seq_len`` (a longer rotary table); default: unchanged.
         notes: config name -> what it is for (``--help`` prints it next to its size).
+        expert_parallel: ``expert_parallel(model, experts_mesh, options)`` splits the model's
+            routed experts over ``experts_mesh``, whose axes are "ep" and/or "tp" (called when
+            either degree is > 1; ``shardwise.parallel.expert_parallel``'s styles); None: the
+            family has no experts and ``--ep`` is refused.
+        after_optimizer_step: ``after_optimizer_step(model, dp_mesh)``, called by the trainer
+            after every optimizer step with the data-parallel mesh (None for one process): state
+            kept across the step's microbatches outside autograd (MoE load balancing).
     """
 
     name: str
@@ -98,6 +109,8 @@ class ModelFamily:
     check_degrees: Callable[[Args, ParallelDims, str], None] = _no_check
     for_seq_len: Callable[[Args, int], Args] = _same_args
     notes: Mapping[str, str] = field(default_factory=dict)
+    expert_parallel: Callable[[nn.Module, DeviceMesh, ParallelOptions], None] | None = None
+    after_optimizer_step: Callable[[nn.Module, DeviceMesh | None], None] = _nothing_after_step
 
     def __post_init__(self) -> None:
         if not self.name or not self.configs:

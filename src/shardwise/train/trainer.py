@@ -409,6 +409,7 @@ def train_step(job: JobConfig, runtime: Runtime, model: torch.nn.Module, optimiz
     if job.max_norm > 0:
         clip_grad_norm_(model.parameters(), job.max_norm, across=runtime.pp_mesh)
     optimizer.step()
+    job.model_family().after_optimizer_step(model, runtime.loss_mesh)  # MoE load balancing: once per step
     return loss
 
 

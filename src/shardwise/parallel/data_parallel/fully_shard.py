@@ -64,6 +64,15 @@ class FSDPModule:
             if state is not None:
                 state.requires_gradient_sync = requires_gradient_sync
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's summed gradients by ``factor`` (default: the data-parallel ranks).
+
+        For parameters whose local gradient already sums other ranks' contributions: expert
+        weights under expert parallelism take the number of all data-parallel ranks (README,
+        "Expert parallelism"), as torch's FSDP2 method of the same name.
+        """
+        state_of(self).group.set_divide_factor(factor)
+
     def _apply(self, fn, recurse: bool = True):
         """``to_empty`` / ``.to`` / ``.cuda``: move the shards, then rebuild the gathered storage on their device.
 

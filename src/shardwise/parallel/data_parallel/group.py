@@ -40,6 +40,18 @@ class ParamGroup:
         self.is_unsharded = False
         self._gather: tuple | None = None  # (Pending all_gather, send buffer, staged bytes)
         self._reduction: tuple | None = None  # (Pending reduce_scatter, every gradient present here)
+        self.divide_factor: float | None = None  # None: average over the data-parallel ranks
+
+    def set_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel ranks' count.
+
+        Expert parallelism needs it (README, "Expert parallelism"): an expert's gradient on its
+        owner already sums the ep peers' tokens, so it is divided by every data-parallel rank
+        (ep ones included) to give the mean that dense gradients get from averaging.
+        """
+        if not factor > 0:
+            raise ValueError(f"the gradient divide factor must be positive, got {factor!r}")
+        self.divide_factor = float(factor)
 
     @property
     def num_requires_grad(self) -> int:
@@ -148,6 +160,8 @@ class ParamGroup:
             mine = pending.wait()  # [per_rank + len(params)]
             if self.dp.replicate_axis is not None:
                 mine = comm.all_reduce(mine, self.dp.mesh, self.dp.replicate_axis, "avg")
+            if self.divide_factor is not None:  # averaged over dp.mesh.size() ranks: now over divide_factor
+                mine[:per_rank] *= self.dp.mesh.size() / self.divide_factor
             # A parameter no rank produced a gradient for keeps grad None, as on one device (an
             # optimizer then skips it); one that some rank used gets the average, zeros included.
             # When this rank had every gradient, all were used: no need to read the flags (reading

@@ -24,9 +24,10 @@ DTensor); nothing else in shardwise depends on it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -117,6 +118,20 @@ def set_gradient_sync(module: nn.Module, on: bool) -> int:
 _STAGE_CLASS: type | None = None
 
 
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Restore ``module``'s buffers (those with data) that changed to their values on entry
+    (only those: writing one that autograd saved, a rotary table, would fail its backward)."""
+    kept = [(b, b.clone()) for b in module.buffers() if not b.is_meta]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)
+
+
 def _stage_class() -> type:
     """torch's ``PipelineStage`` whose backward reduces a stage's fully_shard gradients on the
     last microbatch only (torch's own stage does so for torch's FSDP modules alone)."""
@@ -128,6 +143,12 @@ def _stage_class() -> type:
             def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
                 set_gradient_sync(self.submod, bool(last_backward))
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+            def _forward_metadata_inference(self, *args, **kwargs):
+                # torch runs each stage once more at its first step to infer shapes: state a forward
+                # keeps in buffers (an MoE layer's tokens per expert) must not count that run
+                with _buffers_kept(self.submod):
+                    return super()._forward_metadata_inference(*args, **kwargs)
 
         _STAGE_CLASS = _ReduceOnceStage
     return _STAGE_CLASS

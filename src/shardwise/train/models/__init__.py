@@ -5,3 +5,4 @@ itself the same way (README, "Adding a model family").
 """
 
 from shardwise.train.models import llama  # noqa: F401  (registers "llama")
+from shardwise.train.models import moe  # noqa: F401  (registers "moe")
