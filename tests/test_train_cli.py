@@ -242,7 +242,8 @@ def test_help_shows_every_meaningful_default():
         entry = entries[action.option_strings[0]]
         assert f"(default: {action.default})" in entry, entry
         shown += 1
-    assert shown == 20, shown  # family, config, dp degrees, cp, tp, pp, ep, pp schedule, steps, batch, seq len, lr, ..., compile backend
+    assert "(default: the family's default, debug for llama)" in entries["--config"]
+    assert shown == 19, shown  # family, dp degrees, cp, tp, pp, ep, pp schedule, steps, batch, seq len, lr, ..., compile backend
     assert "(default: None)" not in parser.format_help() and "(default: False)" not in parser.format_help()
 
 
@@ -275,3 +276,13 @@ def test_no_written_parameter_count_disagrees_with_num_params(doc):
         decimals = len(number.partition(".")[2])
         tolerance = 0.5 * 10 ** -decimals * (1e9 if unit.upper() == "B" else 1e6)
         assert any(abs(size - claim) <= tolerance for size in sizes), f"{doc}: '{number}{unit} params' is no config's size {sizes}"
+
+
+def test_a_family_without_config_runs_its_default_config():
+    from shardwise.train import cli
+
+    assert cli.job_from_argv([]).config == "debug"  # llama's, as before
+    assert cli.job_from_argv(["--family", "moe"]).config == "debug_moe"
+    assert cli.job_from_argv(["--family", "moe", "--config", "tiny_moe"]).config == "tiny_moe"
+    with pytest.raises(ConfigError, match="unknown model family 'nope'"):
+        cli.job_from_argv(["--family", "nope"])

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "parallelism (--pp) and expert parallelism (--ep, --family moe).")
     p.add_argument("--family", default=d.family, metavar="NAME",
                    help="model family (shardwise.train.spec): " + ", ".join(family_names()))
-    p.add_argument("--config", default=d.config, metavar="NAME", help="model shapes, by family: " + _configs_help())
+    p.add_argument("--config", default=None, metavar="NAME",
+                   help="model shapes (default: the family's default, debug for llama), by family: " + _configs_help())
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes this command starts (default: 1). Under a launcher the launcher sets the "
                         "world size, so leave --nproc out (it is accepted only if equal to it); torchrun rejects it "
@@ -156,6 +157,8 @@ def job_from_argv(argv: list[str]) -> JobConfig:
         )
     nproc = ns.nproc if ns.nproc is not None else (world or 1)
     fields = {k: v for k, v in vars(ns).items() if k != "nproc"}
+    if fields["config"] is None:
+        fields["config"] = get_family(ns.family).default
     job = JobConfig(nproc=nproc, **fields).validate()
     _check_devices(job)
     return job

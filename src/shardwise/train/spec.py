@@ -85,6 +85,8 @@ class ModelFamily:
         for_seq_len: ``for_seq_len(args, seq_len)`` -> args that can run sequences of
             ``seq_len`` (a longer rotary table); default: unchanged.
         notes: config name -> what it is for (``--help`` prints it next to its size).
+        default_config: the config ``--family NAME`` trains without ``--config``; default:
+            ``"debug"`` if the family has one, else its first config.
         expert_parallel: ``expert_parallel(model, experts_mesh, options)`` splits the model's
             routed experts over ``experts_mesh``, whose axes are "ep" and/or "tp" (called when
             either degree is > 1; ``shardwise.parallel.expert_parallel``'s styles); None: the
@@ -109,6 +111,7 @@ class ModelFamily:
     check_degrees: Callable[[Args, ParallelDims, str], None] = _no_check
     for_seq_len: Callable[[Args, int], Args] = _same_args
     notes: Mapping[str, str] = field(default_factory=dict)
+    default_config: str = ""
     expert_parallel: Callable[[nn.Module, DeviceMesh, ParallelOptions], None] | None = None
     after_optimizer_step: Callable[[nn.Module, DeviceMesh | None], None] = _nothing_after_step
 
@@ -116,6 +119,16 @@ class ModelFamily:
         if not self.name or not self.configs:
             raise ValueError(f"a model family needs a name and at least one config, got {self.name!r} with "
                              f"configs {list(self.configs)}")
+        if self.default_config and self.default_config not in self.configs:
+            raise ValueError(f"model family {self.name!r}: default config {self.default_config!r} is not one of its "
+                             f"configs {list(self.configs)}")
+
+    @property
+    def default(self) -> str:
+        """The config a job of this family runs when none is named."""
+        if self.default_config:
+            return self.default_config
+        return "debug" if "debug" in self.configs else next(iter(self.configs))
 
     def config(self, name: str) -> Args:
         """The named config's args, or a ``ConfigError`` listing this family's configs."""

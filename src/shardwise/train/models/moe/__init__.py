@@ -22,6 +22,7 @@ __all__ = ["MOE", "CONFIGS", "CONFIG_NOTES", "MoEArgs", "MoEModelArgs", "ScoreFu
 
 MOE = register_family(ModelFamily(
     name="moe",
+    default_config="debug_moe",
     configs=CONFIGS,
     notes=CONFIG_NOTES,
     build=MoETransformer,
