@@ -257,3 +257,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         by_tier[tier] = by_tier.get(tier, 0.0) + seconds
     write("CPU seconds by tier: " + ", ".join(f"{t} {s:.1f}" for t, s in sorted(by_tier.items()))
           + f"; all {sum(by_tier.values()):.1f}")
+    write("worker pools launched (world size: times): "
+          + (", ".join(f"{w}: {n}" for w, n in sorted(harness.LAUNCHES.items())) or "none"))
