@@ -88,10 +88,10 @@ E2E_FIXTURES = {"reference", "trainer_runs"}  # trainer runs: whole jobs, if on 
 # (``--cpu-durations``; 2 cores, load 25-45: read them as relative). A node id names a test and
 # all its parameters, or one parameter set.
 SLOW_TESTS = (
-    "tests/test_compile.py::test_tp_sp_block_compiles_with_every_compiling_backend",  # 32 s: inductor
+    "tests/test_compile.py::test_tp_sp_block_compiles_with_every_compiling_backend",  # 15 s on 2 ranks: inductor
     "tests/test_compile.py::test_fsdp_tp_model_compiled_per_block_matches_eager_and_one_device",  # 29 s
-    "tests/test_compile.py::test_tp_mlp_compiles_with_every_backend",  # 23 s: inductor
-    "tests/test_compile.py::test_tp_sp_block_compiles_to_one_graph_with_its_collectives",  # 17 s
+    "tests/test_compile.py::test_tp_mlp_compiles_with_every_backend",  # 15 s on 2 ranks: inductor
+    "tests/test_compile.py::test_tp_sp_block_compiles_to_one_graph_with_its_collectives",  # 8 s on 2 ranks
     "tests/test_compile.py::test_graph_breaks_no_more_than_torch_dtensor",  # 6 s
     "tests/test_redistribute.py::test_every_placement_pair[mesh_shape4-shape4]",  # 24 s: (2, 2, 2)
     "tests/test_redistribute.py::test_every_placement_pair[mesh_shape5-shape5]",  # 17 s: (2, 2, 2)
@@ -257,3 +257,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         by_tier[tier] = by_tier.get(tier, 0.0) + seconds
     write("CPU seconds by tier: " + ", ".join(f"{t} {s:.1f}" for t, s in sorted(by_tier.items()))
           + f"; all {sum(by_tier.values()):.1f}")
+    write("worker pools launched (world size: times): "
+          + (", ".join(f"{w}: {n}" for w, n in sorted(harness.LAUNCHES.items())) or "none"))

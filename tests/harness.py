@@ -10,8 +10,12 @@ pool costs a fork per rank instead of a fresh interpreter importing torch: a 4-r
 pool took ~7 CPU-seconds to start, now ~1 (plus one torch import for the server).
 The server also imports shardwise and the trainer (``_FORKSERVER_PRELOAD``), CPU-seconds
 that every worker of every pool (re)started in a session would otherwise pay on its first
-task. It does not import torch._dynamo (nor does ``import shardwise``): workers that compile
-import it themselves, so the compile tests exercise shardwise's lazy Dynamo markings.
+task; then, after shardwise, Dynamo, Inductor and torch.distributed.tensor, which the compile,
+trainer ``--compile`` and interop tests import in each worker of the 2- and 4-rank pools
+(about 1.5, 2.3 and 1.2 CPU-seconds per worker, paid once in the server instead). Dynamo
+loads after shardwise there, so shardwise's lazy Dynamo markings apply through their import
+hook as in a user's process; ``import shardwise`` itself leaving Dynamo unloaded is checked in
+a fresh interpreter (tests/test_compile.py, e2e).
 ``SHARDWISE_TEST_START_METHOD=spawn`` gives every worker a fresh interpreter instead.
 
 Usage from a test (``dist`` is the session-scoped fixture from ``tests/conftest.py``)::
@@ -86,8 +90,13 @@ TIMEOUT_ENV = "SHARDWISE_TEST_TIMEOUT"
 DESYNC_GRACE_ENV = "SHARDWISE_TEST_DESYNC_GRACE"
 STARTUP_TIMEOUT_ENV = "SHARDWISE_TEST_STARTUP_TIMEOUT"
 START_METHOD_ENV = "SHARDWISE_TEST_START_METHOD"
+# Pool launches per world size in this session (first starts, replacements after a failed or
+# hung test, startup retries): ``--cpu-durations`` prints them, since each costs a fork and a
+# process group per rank, plus every lazy import the new workers make again.
+LAUNCHES: dict[int, int] = {}
 # Imported once by the forkserver, inherited by every worker it forks (see the module docstring).
-_FORKSERVER_PRELOAD = ("torch", "torch.distributed", "shardwise", "shardwise.train.trainer")
+_FORKSERVER_PRELOAD = ("torch", "torch.distributed", "shardwise", "shardwise.train.trainer",
+                       "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.tensor")
 DEFAULT_DESYNC_GRACE = 5.0
 DEFAULT_STARTUP_TIMEOUT = 180.0
 MAX_WORLD_SIZE = 8
@@ -463,6 +472,7 @@ class WorkerPool:
             raise RuntimeError(f"cannot launch {self!r}")
         self._reset()
         self.port = _free_port()
+        LAUNCHES[self.world_size] = LAUNCHES.get(self.world_size, 0) + 1
         self._tmpdir = tempfile.mkdtemp(prefix=f"shardwise-pool{self.world_size}-")
         try:
             for rank in range(self.world_size):

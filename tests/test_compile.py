@@ -1,8 +1,11 @@
 """torch.compile of DTensor programs (shardwise/compile/opaque.py): compiled equals eager equals one
 device, collectives are graph nodes, no graph breaks inside a tensor-parallel block.
 
-The matrix: a TP MLP, a TP+SP Llama block and an FSDP+TP two-block model on 4 ranks, values and
-gradients against eager shardwise and against one device. The MLP is compiled with the backends
+The matrix: a TP MLP and a TP+SP Llama block on 2 ranks, an FSDP+TP two-block model on 4 (the
+one with two mesh axes), values and gradients against eager shardwise and against one device.
+Every rank compiles its own graphs, so ranks beyond what the layout needs only compile the same
+graphs again (the 2-rank TP tests cost half the CPU of 4-rank ones; the pools' workers have
+Dynamo and Inductor imported already, tests/harness.py). The MLP is compiled with the backends
 eager, aot_eager and inductor; the two larger models with aot_eager and inductor (``COMPILING``):
 the eager backend runs Dynamo's graph on DTensors, the path the MLP already covers, and tracing
 a block costs seconds per backend. Real processes and gloo. Compiling is slow on small CPUs, so
@@ -103,7 +106,7 @@ def _mlp_gaps() -> dict:
 
 
 def test_tp_mlp_compiles_with_every_backend(dist):
-    for gaps in dist.run(4, _mlp_gaps, timeout=600):
+    for gaps in dist.run(2, _mlp_gaps, timeout=600):
         assert set(gaps) == set(BACKENDS), gaps
         for backend, (value, grad, value_one, grad_one, graphs) in gaps.items():
             assert graphs == 1, (backend, graphs)  # fullgraph: one forward graph, compiled once
@@ -195,7 +198,7 @@ def _block_gaps() -> dict:
 
 
 def test_tp_sp_block_compiles_with_every_compiling_backend(dist):
-    for result in dist.run(4, _block_gaps, timeout=600):
+    for result in dist.run(2, _block_gaps, timeout=600):
         single, eager = result["eager"]
         assert abs(eager - single) <= 1e-5 * abs(single), (eager, single)
         assert set(result["compiled"]) == set(COMPILING), result
@@ -288,7 +291,7 @@ class _OneBlock(nn.Module):
 
 
 def test_tp_sp_block_compiles_to_one_graph_with_its_collectives(dist):
-    result = dist.run(4, _graph_collectives, timeout=600)[0]
+    result = dist.run(2, _graph_collectives, timeout=600)[0]
     graphs, eager = result["graphs"], result["eager"]
     assert result["compiled_kinds"] == ["forward", "backward"], result["compiled_kinds"]  # one graph each
     eager_loss, compiled_loss = result["losses"]
