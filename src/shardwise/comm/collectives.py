@@ -96,12 +96,16 @@ def all_gather(
     if sum(lengths) * rest == 0:
         return _empty_cat(shard, dim, sum(lengths))
     nbytes = (n - 1) * _nbytes(shard)
+    if len(set(lengths)) == 1 and not traced(shard):
+        # The blocks stacked as they come ([n, *shard.shape]), then laid along ``dim`` in one
+        # copy: no copy of the block with ``dim`` moved first, as the other paths make.
+        block = shard.contiguous()
+        stacked = block.new_empty((n, *block.shape))
+        issue_eager("all_gather", mesh, axis, nbytes, all_gather_single, stacked.view(-1, *block.shape[1:]), block)
+        return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
     rows = _rows_first(shard, dim)  # [len_me, *rest]
-    if len(set(lengths)) == 1 and traced(rows):
+    if len(set(lengths)) == 1:
         out = issue_traced("all_gather", mesh, axis, nbytes, funcol.all_gather_tensor, rows, 0)
-    elif len(set(lengths)) == 1:
-        out = rows.new_empty((lengths[0] * n, *rows.shape[1:]))
-        issue_eager("all_gather", mesh, axis, nbytes, all_gather_single, out, rows)
     else:
         flat = rows.reshape(-1).repeat(n)
         recv = _a2a_flat("all_gather", mesh, axis, nbytes, flat, [rows.numel()] * n, [l * rest for l in lengths])
@@ -135,13 +139,18 @@ def reduce_scatter(
     if full.numel() == 0:
         return full.narrow(dim, sum(lengths[:me]), lengths[me]).clone()
     nbytes = (full.shape[dim] - lengths[me]) * rest * full.element_size()
+    if len(set(lengths)) == 1 and not traced(full):
+        # Every rank's piece made one flat run ([n, *piece]) in one copy; this rank's comes out
+        # in its own layout: no copy to move ``dim`` back, as the other paths make.
+        pieces = full.unflatten(dim, (n, lengths[0])).movedim(dim, 0).contiguous()  # [n, *piece]
+        out = pieces.new_empty(pieces.shape[1:])
+        issue_eager("reduce_scatter", mesh, axis, nbytes, reduce_scatter_single, out,
+                    pieces.view(-1, *pieces.shape[2:]), op=_REDUCE_OPS[op])
+        return _finish_avg(out, op, n)
     rows = _rows_first(full, dim)
-    if len(set(lengths)) == 1 and traced(rows):
+    if len(set(lengths)) == 1:
         out = issue_traced("reduce_scatter", mesh, axis, nbytes, funcol.reduce_scatter_tensor, rows,
                             _FUNCTIONAL_OPS[op], 0)
-    elif len(set(lengths)) == 1:
-        out = rows.new_empty((lengths[0], *rows.shape[1:]))
-        issue_eager("reduce_scatter", mesh, axis, nbytes, reduce_scatter_single, out, rows, op=_REDUCE_OPS[op])
     else:
         recv = _a2a_flat("reduce_scatter", mesh, axis, nbytes, rows.reshape(-1),
                          [l * rest for l in lengths], [lengths[me] * rest] * n)
