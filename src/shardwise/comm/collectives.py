@@ -97,12 +97,12 @@ def all_gather(
         return _empty_cat(shard, dim, sum(lengths))
     nbytes = (n - 1) * _nbytes(shard)
     if len(set(lengths)) == 1 and not traced(shard):
-        # The blocks stacked as they come ([n, *shard.shape]), then laid along ``dim`` in one
-        # copy: no copy of the block with ``dim`` moved first, as the other paths make.
+        # The blocks one after another as they come ([n * len, *rest]), then laid along ``dim``
+        # in one copy: no copy of the block with ``dim`` moved first, as the other paths make.
         block = shard.contiguous()
-        stacked = block.new_empty((n, *block.shape))
-        issue_eager("all_gather", mesh, axis, nbytes, all_gather_single, stacked.view(-1, *block.shape[1:]), block)
-        return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
+        out = block.new_empty((n * block.shape[0], *block.shape[1:]))
+        issue_eager("all_gather", mesh, axis, nbytes, all_gather_single, out, block)
+        return out if dim == 0 else out.view(n, *block.shape).movedim(0, dim).flatten(dim, dim + 1).contiguous()
     rows = _rows_first(shard, dim)  # [len_me, *rest]
     if len(set(lengths)) == 1:
         out = issue_traced("all_gather", mesh, axis, nbytes, funcol.all_gather_tensor, rows, 0)
