@@ -202,6 +202,51 @@ def test_set_requires_gradient_sync_reduces_accumulated_grads_once(dist):
             assert root_off["reduce_scatter"] == groups - 1
 
 
+def _kept_between_microbatches():
+    """Two SGD steps of MICRO microbatches; before the last, gradient sync and resharding after
+    backward are off (as a pipeline stage runs its microbatches). The parameters, each
+    microbatch's collectives (forward and backward together), and the gathered bytes left."""
+    from shardwise.parallel.data_parallel.memory import live_bytes
+
+    mesh = sw.init_device_mesh("cpu", (4,))
+    model = toy.shard_model(toy.net(), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rank, counts = dist.get_rank(), []
+    for step in range(2):
+        for micro in range(MICRO):
+            last = micro == MICRO - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            x, y = toy.local_batch(step * MICRO + micro, rank, 4)
+            with CommDebugMode() as comms:
+                (nn.functional.mse_loss(model(x), y) / MICRO).backward()
+            counts.append(comms.get_comm_counts())
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}, counts, live_bytes()
+
+
+def test_set_reshard_after_backward_keeps_parameters_for_the_next_microbatch(dist):
+    model = toy.net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        for micro in range(MICRO):
+            x, y = toy.data(step * MICRO + micro)
+            (nn.functional.mse_loss(model(x), y) / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    groups = 5  # four blocks and the root
+    for params, counts, live in dist.run(4, _kept_between_microbatches):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        # The first microbatch gathers every group in forward and the blocks again in backward
+        # (freed after forward); later ones only the blocks for backward: forward finds them
+        # kept by the previous backward (and frees them after it, reshard_after_forward).
+        first, later = {"all_gather": 2 * groups - 1}, {"all_gather": groups - 1}
+        assert counts == [first, later, {**later, "reduce_scatter": groups}] * 2, counts
+        assert live == 0  # the last backward freed what the others kept
+
+
 # ---------------------------------------------------------------------- HSDP
 def _hsdp_parity():
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

@@ -210,7 +210,7 @@ class _Piped:
 
 def _pipeline_fsdp_step():
     """pp=2 x dp=2, 2 microbatches, FSDP (gpipe and 1f1b) or DDP stages: the stage's gradients
-    after one step, and the reduce_scatters and all_reduces that step issued."""
+    after one step, and the reduce_scatters, all_reduces and all_gathers that step issued."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -246,7 +246,8 @@ def _pipeline_fsdp_step():
             runner.step(*batch)
         grads = {n: p.grad.full_tensor() for n, p in stage.named_parameters()}
         counts = comms.get_comm_counts()
-        out[schedule, data_parallel] = (grads, counts.get("reduce_scatter", 0), counts.get("all_reduce", 0))
+        out[schedule, data_parallel] = (grads, counts.get("reduce_scatter", 0), counts.get("all_reduce", 0),
+                                        counts.get("all_gather", 0))
     dist.barrier()
     return out
 
@@ -261,10 +262,14 @@ def test_pipeline_stages_reduce_fsdp_gradients_once_per_step(dist):
     nn.functional.mse_loss(model(x), y).backward()  # mean of the microbatch means: the batch mean
     want = {n: p.grad for n, p in model.named_parameters()}
     for per_schedule in dist.run(4, _pipeline_fsdp_step):
-        for (_, data_parallel), (grads, reduce_scatters, all_reduces) in per_schedule.items():
+        for (_, data_parallel), (grads, reduce_scatters, all_reduces, all_gathers) in per_schedule.items():
             assert grads and set(grads) <= set(want)
             for name, grad in grads.items():
                 torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
             # FSDP: three groups per stage (two blocks and the stage root); DDP: one bucket.
             # Each is reduced once per step, not once per microbatch.
             assert (reduce_scatters, all_reduces) == ((3, 0) if data_parallel == "fsdp" else (0, 1))
+            # FSDP gathers as torch's stages do: the first forward gathers the three groups, the
+            # two blocks (freed after each forward) are gathered again by one more forward and
+            # one backward; after a backward before the last, nothing is freed (7, not 10).
+            assert all_gathers == (7 if data_parallel == "fsdp" else 0)

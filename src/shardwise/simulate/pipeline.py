@@ -28,7 +28,8 @@ Assumed, as torch's stages do: the buffers that receive a neighbour's activation
 gradients are allocated once per microbatch when the stage is built and reused every step (so
 a steady-state step does not allocate them; the real runner's are not counted either), and
 gradients are divided by the number of microbatches in place after the last backward, and (as
-the real stages do) fully_shard and replicate reduce gradients on the last backward only.
+the real stages do) fully_shard and replicate reduce gradients on the last backward only, and
+fully_shard keeps its gathered parameters until then.
 Interleaved 1F1B (two stages per rank) is not simulated.
 """
 
@@ -40,7 +41,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.parallel.pipeline_parallel.pipeline import set_gradient_sync
+from shardwise.parallel.pipeline_parallel.pipeline import set_last_backward
 
 __all__ = ["SIMULATED_SCHEDULES", "SimulatedPipeline", "schedule_order", "boundary_meta"]
 
@@ -146,8 +147,9 @@ class SimulatedPipeline:
                 pending[i] = (out, None if self.has_first else x, stage_out)
             else:
                 out, x, _ = pending.pop(i)
-                # as the real stages: data-parallel gradients are reduced on the last backward only
-                set_gradient_sync(self.module, i == last_backward)
+                # as the real stages: data-parallel gradients are reduced (and gathered parameters
+                # freed) on the last backward only
+                set_last_backward(self.module, i == last_backward)
                 if self.has_last:
                     out.backward()
                 else:

@@ -73,6 +73,22 @@ class FSDPModule:
         """
         state_of(self).group.set_divide_factor(factor)
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether backward frees the gathered parameters (default True), for this module and,
+        with ``recurse``, every fully_shard'ed module below it.
+
+        Off: they stay gathered after backward, so that the next forward and backward of the
+        same modules (the next microbatch of a pipeline stage, of gradient accumulation) gather
+        nothing; costs their unsharded memory meanwhile. A later backward with it on frees
+        them, or ``reshard()``. A forward with ``reshard_after_forward`` still frees them after it.
+        """
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(f"set_reshard_after_backward needs a bool, got {reshard_after_backward!r}")
+        for module in self.modules() if recurse else [self]:
+            state = state_of(module)
+            if state is not None:
+                state.reshard_after_backward = reshard_after_backward
+
     def _apply(self, fn, recurse: bool = True):
         """``to_empty`` / ``.to`` / ``.cuda``: move the shards, then rebuild the gathered storage on their device.
 

@@ -10,8 +10,9 @@ Timeline of one group (a fully_shard'ed module) in a training step::
                   register gathered params (activation checkpointing recomputes forward),
                   start the all_gather of the module whose backward comes next
     post-backward (every gradient accumulated) issue the reduce_scatter, register sharded
-                  params, free storage; the reduction lands in param.grad when the next group
-                  issues its own (one in flight) or at the end of backward
+                  params, free storage (unless reshard_after_backward is off); the reduction
+                  lands in param.grad when the next group issues its own (one in flight) or
+                  at the end of backward
 
 Prefetch targets are explicit (``set_modules_to_forward/backward_prefetch``) or learned: the
 root records the order modules enter and leave forward, and the next step prefetches by it.
@@ -19,7 +20,9 @@ root records the order modules enter and leave forward, and the next step prefet
 The outermost fully_shard'ed module that runs forward becomes the root: the first hook of a
 backward pass queues the root's end-of-backward callback, which reduces any group whose
 gradients did not all arrive (unused parameters) and frees whatever is still gathered, so
-nothing is left gathered or unreduced when ``backward()`` returns.
+nothing is left gathered or unreduced when ``backward()`` returns (gathered parameters stay
+where ``set_reshard_after_backward(False)`` asks: a pipeline stage's microbatches before its
+last, see ``parallel/pipeline_parallel/pipeline.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ class FSDPState:
         # False: backward keeps the unsharded gradients locally instead of reducing them
         # (``FSDPModule.set_requires_gradient_sync``); the next synced backward reduces the sum.
         self.requires_gradient_sync = True
+        # False: backward leaves the gathered parameters in place (``FSDPModule.set_reshard_after_backward``),
+        # so the next microbatch's forward and backward gather nothing; a backward with it True frees them.
+        self.reshard_after_backward = True
         self.root: FSDPState | None = None
         self.subtree: list[FSDPState] = []
         self._callback_queued = False
@@ -205,7 +211,8 @@ class FSDPState:
         else:
             self.group.keep_grads()
         self.group.use_sharded()
-        self.group.reshard()
+        if self.reshard_after_backward:
+            self.group.reshard()
         self._grads_ready = 0
         self._pending_reduce = False
 
@@ -225,7 +232,8 @@ class FSDPState:
             if state._pending_reduce or (state.requires_gradient_sync and state.group.has_kept_grads):
                 state._reduce()
             state.group.use_sharded()
-            state.group.reshard()
+            if state.reshard_after_backward:
+                state.group.reshard()
             state._grads_ready = 0
         if self._reducing is not None:
             self._reducing.group.finish_reduce()

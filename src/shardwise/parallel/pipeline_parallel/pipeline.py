@@ -13,8 +13,9 @@ local), so ``torch.distributed.pipelining`` carries them unchanged on the pipeli
 process group, and its schedules (GPipe, 1F1B, interleaved 1F1B) run shardwise stages as they
 run torch's own. A stage's fully_shard'ed (or replicate'd) modules reduce their gradients once
 per step: every microbatch's backward but the last runs with gradient sync off (the gradients
-add up locally), the last one reduces the sum (``set_requires_gradient_sync``), as torch's
-stages do for torch's FSDP and DDP. Microbatch gradients add up and are divided by the number of microbatches
+add up locally) and keeps the gathered parameters for the next microbatch, the last one
+reduces the sum and frees them (``set_last_backward``), as torch's stages do for torch's FSDP
+and DDP. Microbatch gradients add up and are divided by the number of microbatches
 (the schedule's ``scale_grads``): the loss is the mean over microbatches, the one-process
 loss when microbatches hold equally many tokens.
 
@@ -35,7 +36,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.parallel.pipeline_parallel.split import SCHEDULES
 
-__all__ = ["split_stage", "PipelineRunner", "share_loss", "set_gradient_sync"]
+__all__ = ["split_stage", "PipelineRunner", "share_loss", "set_last_backward"]
 
 
 def split_stage(model: nn.Module, keep: Sequence[str]) -> nn.Module:
@@ -102,17 +103,25 @@ def _count_sends(stage, pp_mesh) -> None:
     stage.get_bwd_send_ops = counted(stage.get_bwd_send_ops)
 
 
-def set_gradient_sync(module: nn.Module, on: bool) -> int:
-    """Turn gradient reduction on or off for every fully_shard'ed or replicate'd module in
-    ``module``; how many there are."""
+def set_last_backward(module: nn.Module, last: bool) -> int:
+    """Prepare a stage's backward of one microbatch: the last one reduces the gradients and frees
+    the gathered parameters, the ones before keep both (the gradients add up locally, and the
+    parameters stay gathered for the next microbatch's forward and backward, as torch's stages
+    keep torch's FSDP parameters: one all_gather per block per step fewer than resharding after
+    every microbatch). How many data-parallel modules there are."""
     from shardwise.parallel.data_parallel.replicate import STATE_ATTR as REPLICATE_ATTR
     from shardwise.parallel.data_parallel.state import state_of
 
-    states = [state for m in module.modules()
-              if (state := state_of(m) or m.__dict__.get(REPLICATE_ATTR)) is not None]
-    for state in states:
-        state.requires_gradient_sync = on
-    return len(states)
+    count = 0
+    for m in module.modules():
+        if (fsdp := state_of(m)) is not None:
+            fsdp.requires_gradient_sync = fsdp.reshard_after_backward = last
+        elif (ddp := m.__dict__.get(REPLICATE_ATTR)) is not None:  # replicate: no gathered parameters
+            ddp.requires_gradient_sync = last
+        else:
+            continue
+        count += 1
+    return count
 
 
 _STAGE_CLASS: type | None = None
@@ -133,15 +142,16 @@ def _buffers_kept(module: nn.Module) -> Iterator[None]:
 
 
 def _stage_class() -> type:
-    """torch's ``PipelineStage`` whose backward reduces a stage's fully_shard gradients on the
-    last microbatch only (torch's own stage does so for torch's FSDP modules alone)."""
+    """torch's ``PipelineStage`` whose backward reduces a stage's fully_shard gradients and frees
+    its gathered parameters on the last microbatch only (torch's own stage does so for torch's
+    FSDP modules alone)."""
     global _STAGE_CLASS
     if _STAGE_CLASS is None:
         from torch.distributed.pipelining import PipelineStage
 
         class _ReduceOnceStage(PipelineStage):
             def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-                set_gradient_sync(self.submod, bool(last_backward))
+                set_last_backward(self.submod, bool(last_backward))
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
             def _forward_metadata_inference(self, *args, **kwargs):
