@@ -222,7 +222,7 @@ def all_to_all(
     Before: this rank holds piece ``me`` of ``cat_dim`` (``cat_lengths[me]`` long), whole along
     ``split_dim``. After: whole along ``cat_dim``, piece ``me`` of ``split_dim``.
     """
-    n, me = mesh.size(axis), mesh.get_local_rank(axis)
+    me = mesh.get_local_rank(axis)
     full_shape = list(tensor.shape)
     full_shape[cat_dim] = sum(cat_lengths)
     if math.prod(full_shape) == 0:
