@@ -33,6 +33,20 @@ def test_dispatch_plan_sends_every_row_once_and_groups_by_expert():
         plan_dispatch([0] * 12, [0] * 12, peers=5)
 
 
+def test_simulated_routing_balanced_or_with_a_busiest_expert():
+    """What a meta step's dispatch assumes (README, "Simulate a job and plan a layout")."""
+    from shardwise.parallel.expert_parallel.dispatch import assumed_counts, assumed_exchange
+
+    assert assumed_counts(20, 8) == [3, 3, 3, 3, 2, 2, 2, 2]  # uneven: the first experts one row more
+    assert assumed_counts(20, 8, imbalance=2.0) == [5, 3, 2, 2, 2, 2, 2, 2]  # 2 x the mean 2.5, rounded
+    assert assumed_counts(20, 8, imbalance=100.0) == [20, 0, 0, 0, 0, 0, 0, 0]
+    send, recv = assumed_exchange(20, 8, peers=4, me=0, imbalance=2.0)
+    assert recv == [5, 3] * 4 and sum(send) == 20  # every peer sends rank 0 what it routes to experts 0, 1
+    assert assumed_exchange(20, 8, peers=4, me=3)[1] == [2, 2] * 4
+    with pytest.raises(ValueError, match="imbalance >= 1"):
+        assumed_counts(20, 8, imbalance=0.5)
+
+
 def test_ep_borrows_its_ranks_from_dp_shard_in_the_mesh_axes():
     from shardwise.parallel.dims import ParallelDims
     from shardwise.train import JobConfig
@@ -274,7 +288,8 @@ def test_checkpoint_saved_under_ep_resumes_without_ep_with_the_same_losses(dist,
      r"--ep 2 must divide the FSDP degree dp_shard x cp = 2 x 4 = 8 and be a multiple of --cp 4"),
     (["--nproc", "4", "--cp", "2"], r"config 'tiny_moe''s auxiliary balance loss \(aux_loss_coeff=0.01\)"),
     (["--nproc", "2", "--ep", "2", "--family", "llama", "--config", "tiny"], r"model family 'llama' has no experts"),
-    (["--nproc", "4", "--ep", "2", "--simulate"], r"--simulate with --ep 2 is not supported yet"),
+    (["--nproc", "4", "--ep", "2", "--simulate", "--simulate-expert-imbalance", "0.5"],
+     r"--simulate-expert-imbalance is the busiest expert's rows over the mean, at least 1; got 0.5"),
     (["--nproc", "16", "--ep", "16", "--dp-shard", "16", "--global-batch", "16"],
      r"--ep 16 must divide the experts of config 'tiny_moe': num_experts=8"),
 ])
