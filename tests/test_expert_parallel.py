@@ -309,6 +309,7 @@ def test_checkpoint_saved_under_ep_resumes_without_ep_with_the_same_losses(dist,
     (["--nproc", "2", "--ep", "2", "--family", "llama", "--config", "tiny"], r"model family 'llama' has no experts"),
     (["--nproc", "4", "--ep", "2", "--simulate", "--simulate-expert-imbalance", "0.5"],
      r"--simulate-expert-imbalance is the busiest expert's rows over the mean, at least 1; got 0.5"),
+    (["--nproc", "4", "--ep", "2", "--simulate-expert-imbalance", "2"], r"use it with --simulate and --ep"),
     (["--nproc", "16", "--ep", "16", "--dp-shard", "16", "--global-batch", "16"],
      r"--ep 16 must divide the experts of config 'tiny_moe': num_experts=8"),
 ])

@@ -243,6 +243,9 @@ class JobConfig:
         if not self.simulate_expert_imbalance >= 1.0:
             raise ConfigError(f"--simulate-expert-imbalance is the busiest expert's rows over the mean, at least 1; "
                               f"got {self.simulate_expert_imbalance}")
+        if self.simulate_expert_imbalance != 1.0 and not (self.simulate and dims.ep > 1):
+            raise ConfigError(f"--simulate-expert-imbalance {self.simulate_expert_imbalance} sets the routing a "
+                              f"simulated expert-parallel step assumes: use it with --simulate and --ep")
         self._check_layout(dims)
         self._check_pipeline(model, dims)
         self._check_checkpointing()
