@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate-expert-imbalance", type=float, default=d.simulate_expert_imbalance, metavar="F",
                    help="with --simulate and --ep: routing is not known on meta tensors; every rank routes alike "
                         "and the busiest expert (expert 0) gets F times the mean rows, the others the rest evenly "
-                        "(default 1: balanced)")
+                        "(1: balanced)")
     ckpt = p.add_argument_group("checkpoints", "A checkpoint holds the model, the optimizer (AdamW moments and step "
                                 "counts), the learning-rate schedule, the step, the data position and the seed; it "
                                 "loads into any parallel layout and world size.")

@@ -93,7 +93,7 @@ def assumed_counts(rows: int, experts: int, imbalance: float = 1.0) -> list[int]
     return [busiest] + [rest // others + (e < rest % others) for e in range(others)]
 
 
-def assumed_exchange(rows: int, experts: int, peers: int, me: int, imbalance: float = 1.0) -> tuple[list[int], list[int]]:
+def assumed_exchange(rows: int, experts: int, peers: int, me: int, imbalance: float = 1.0) -> Exchange:
     """``(send, recv)`` counts for ``plan_dispatch`` on ep rank ``me`` when every rank routes its
     ``rows`` token-choices as ``assumed_counts`` does: each peer sends this rank what it sends
     itself for the experts here. Rank 0 holds the busiest expert, so it receives the most."""
