@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{PROG}: {len(plans)} valid layouts simulated in {time.perf_counter() - started:.0f} s, "
           f"{len(ranked)} fit, {len(dropped)} dropped")
     print("overlap: data-parallel traffic (dp_shard, dp_replicate) hides under compute; tp/cp traffic does not"
+          + ("; nor do ep's token all_to_alls (the experts' FSDP on dp_shard_mod_ep does hide)" if max_ep > 1 else "")
           + ("; pp sends do not, and the 1F1B bubble adds (pp - 1)/pp of compute" if ns.max_pp > 1 else ""))
     for i, p in enumerate(ranked[:ns.top], 1):
         comm = ", ".join(f"{a} {t * 1e3:.0f} ms ({p.placement[a]})" for a, t in sorted(p.comm_s.items()))
