@@ -33,6 +33,20 @@ def test_dispatch_plan_sends_every_row_once_and_groups_by_expert():
         plan_dispatch([0] * 12, [0] * 12, peers=5)
 
 
+def test_simulated_routing_balanced_or_with_a_busiest_expert():
+    """What a meta step's dispatch assumes (README, "Simulate a job and plan a layout")."""
+    from shardwise.parallel.expert_parallel.dispatch import assumed_counts, assumed_exchange
+
+    assert assumed_counts(20, 8) == [3, 3, 3, 3, 2, 2, 2, 2]  # uneven: the first experts one row more
+    assert assumed_counts(20, 8, imbalance=2.0) == [5, 3, 2, 2, 2, 2, 2, 2]  # 2 x the mean 2.5, rounded
+    assert assumed_counts(20, 8, imbalance=100.0) == [20, 0, 0, 0, 0, 0, 0, 0]
+    send, recv = assumed_exchange(20, 8, peers=4, me=0, imbalance=2.0)
+    assert recv == [5, 3] * 4 and sum(send) == 20  # every peer sends rank 0 what it routes to experts 0, 1
+    assert assumed_exchange(20, 8, peers=4, me=3)[1] == [2, 2] * 4
+    with pytest.raises(ValueError, match="imbalance >= 1"):
+        assumed_counts(20, 8, imbalance=0.5)
+
+
 def test_ep_borrows_its_ranks_from_dp_shard_in_the_mesh_axes():
     from shardwise.parallel.dims import ParallelDims
     from shardwise.train import JobConfig
@@ -81,7 +95,7 @@ def _expert_parallel_layer(kind: str):
     """On every rank: the layer's output, gradients and collectives under the style of ``kind``."""
     import shardwise as sw
     import shardwise.parallel.expert_parallel as styles
-    from shardwise.debug import CommDebugMode
+    from shardwise.debug import CommDebugMode, explain
     from shardwise.parallel import parallelize_module
 
     mesh_shape, names, style, groups = STYLES[kind]
@@ -91,7 +105,7 @@ def _expert_parallel_layer(kind: str):
     parallelize_module(layer, mesh, {"experts": getattr(styles, style)()})
     x = tokens[group].clone().requires_grad_(True)
     probe = _probe(tokens)[group]
-    with CommDebugMode() as forward:
+    with CommDebugMode() as forward, explain() as shown:
         out = layer(x)
     with CommDebugMode() as backward:
         (out * probe).sum().backward()
@@ -100,7 +114,10 @@ def _expert_parallel_layer(kind: str):
     return {"out": out.detach(), "x_grad": x.grad, "experts": experts, "group": group,
             "gate": layer.router.gate.weight.grad if first_of_group else None,
             "counts": layer.tokens_per_expert.clone() if first_of_group else None,
-            "comms": [{k: v for k, v in c.get_comm_counts().items() if v} for c in (forward, backward)]}
+            "comms": [{k: v for k, v in c.get_comm_counts().items() if v} for c in (forward, backward)],
+            "exchanges": [(c.module, c.bytes, c.per_peer) for c in shown.explanation.all_collectives()
+                          if c.kind == "all_to_all"],
+            "ep_rank": mesh.get_local_rank("ep") if "ep" in names else None}
 
 
 def _probe(tokens: torch.Tensor) -> torch.Tensor:
@@ -124,9 +141,25 @@ def test_expert_parallel_layer_equals_one_process_values_and_gradients(dist, kin
             torch.testing.assert_close(grad, getattr(layer.experts, name).grad, rtol=1e-5, atol=1e-6)
         want = [{**(c if "ep" in names else {}), **(over_tp if "tp" in names else {})} for c in split_over_ep]
         assert got["comms"] == want, got["comms"]
+    if "ep" in names:
+        _check_explained_exchanges(per_rank)
     firsts = [r for r in per_rank if r["gate"] is not None]
     torch.testing.assert_close(sum(r["gate"] for r in firsts), layer.router.gate.weight.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sum(r["counts"] for r in firsts), layer.tokens_per_expert)
+
+
+def _check_explained_exchanges(per_rank: list[dict]) -> None:
+    """``explain`` shows the counts, dispatch and combine all_to_alls under the experts module with
+    bytes per peer: none to itself, summing to the bytes sent, and each rank's combine sends peer
+    s what s's dispatch sent it."""
+    by_ep = {r["ep_rank"]: r["exchanges"] for r in per_rank}
+    for ep_rank, exchanges in by_ep.items():
+        assert len(exchanges) == 3, exchanges
+        for module, sent, per_peer in exchanges:
+            assert module.endswith("experts") and len(per_peer) == len(by_ep), (module, per_peer)
+            assert per_peer[ep_rank] == 0 and sum(per_peer) == sent
+        combine = exchanges[2][2]
+        assert combine == [by_ep[s][1][2][ep_rank] for s in range(len(by_ep))], (ep_rank, combine)
 
 
 def _misfit_experts(kind: str) -> None:
@@ -274,7 +307,9 @@ def test_checkpoint_saved_under_ep_resumes_without_ep_with_the_same_losses(dist,
      r"--ep 2 must divide the FSDP degree dp_shard x cp = 2 x 4 = 8 and be a multiple of --cp 4"),
     (["--nproc", "4", "--cp", "2"], r"config 'tiny_moe''s auxiliary balance loss \(aux_loss_coeff=0.01\)"),
     (["--nproc", "2", "--ep", "2", "--family", "llama", "--config", "tiny"], r"model family 'llama' has no experts"),
-    (["--nproc", "4", "--ep", "2", "--simulate"], r"--simulate with --ep 2 is not supported yet"),
+    (["--nproc", "4", "--ep", "2", "--simulate", "--simulate-expert-imbalance", "0.5"],
+     r"--simulate-expert-imbalance is the busiest expert's rows over the mean, at least 1; got 0.5"),
+    (["--nproc", "4", "--ep", "2", "--simulate-expert-imbalance", "2"], r"use it with --simulate and --ep"),
     (["--nproc", "16", "--ep", "16", "--dp-shard", "16", "--global-batch", "16"],
      r"--ep 16 must divide the experts of config 'tiny_moe': num_experts=8"),
 ])

@@ -64,3 +64,29 @@ def test_pipeline_candidates_links_and_bubble():
     cost = LayoutCost(2**30, {"pp": 0})
     flat, piped = (price(Candidate(dp_shard=2, pp=p), cost, hw, 8, 1e15, 4) for p in (1, 2))
     assert piped.compute_s == flat.compute_s * 1.5  # 1F1B, 2 microbatches: 3 slots for 2
+
+
+def test_expert_parallel_candidates_and_their_all_to_alls_on_the_critical_path(tmp_path):
+    """ep borrows dp_shard x cp ranks (whole cp groups); its dispatch and combine are priced by
+    ``shardwise.cost`` as all_to_alls and not hidden, the experts' FSDP traffic is."""
+    from shardwise.cost import Collective, Link, latency
+
+    found = dict(candidates(8, 8, 4, global_batch=8, seq_len=128, max_tp=8, max_ep=4))
+    assert {c.ep for c in found if c.dp_shard == 8} == {1, 2, 4}  # 8 would exceed max_ep
+    assert {c.ep for c in found if c.dp_shard == 2 and c.cp == 2} == {1, 2, 4}  # multiples of cp 2
+    assert Candidate(dp_shard=4, tp=2, ep=2).flags() == "--dp-shard 4 --tp 2 --ep 2"
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"toy": {"memory_bytes": 100, "peak_flops": 10, "intra_node_bw": 10,
+                                        "inter_node_bw": 1, "inter_node_latency_s": 0.5}}))
+    hw = load_hardware("toy", str(path))
+    c = Candidate(dp_shard=8, ep=4)  # ep groups span 4 ranks: inside a 4-GPU node; dp_shard_mod_ep across
+    assert axis_links(c, 4)["ep"] == Link.INTRA_NODE and axis_links(c, 2)["ep"] == Link.INTER_NODE
+    cost = LayoutCost(90, {"ep": 30, "dp_shard_mod_ep": 20},
+                      {"ep": {"all_to_all": 6}, "dp_shard_mod_ep": {"all_gather": 2}})
+    plan = price(c, cost, hw, 2, 1000, 8)  # compute 1000 / (8 x 10 x 0.5) = 25 s
+    a2a = 6 * latency(Collective.ALL_TO_ALL, 4, Link.INTER_NODE, hw) + 30 / 1
+    assert a2a > 30 and plan.comm_s["ep"] == pytest.approx(a2a)
+    assert plan.step_s == pytest.approx(25 + a2a)  # dp_shard_mod_ep's ~21 s hide under compute
+    from shardwise.plan.search import axis_size
+
+    assert axis_size(Candidate(dp_shard=8, tp=2, ep=4), "ep+tp") == 8  # a redistribute over both axes at once

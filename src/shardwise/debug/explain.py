@@ -59,16 +59,20 @@ __all__ = ["explain", "Explanation", "OpEntry", "Strategy", "CollectiveEntry"]
 # ---------------------------------------------------------------------- records
 @dataclass
 class CollectiveEntry:
-    """One collective: kind, mesh axis, bytes this rank sent, module, phase."""
+    """One collective: kind, mesh axis, bytes this rank sent, module, phase; for an expert-parallel
+    all_to_all (token dispatch and combine, README "Mixture of experts and expert parallelism")
+    the bytes sent to each peer of the axis, this rank's own entry 0."""
 
     kind: str
     axis: str
     bytes: int
     module: str = GLOBAL
     phase: str = "forward"
+    per_peer: list[int] | None = None
 
     def describe(self) -> str:
-        return f"{self.kind} on {self.axis}: {format_bytes(self.bytes)}"
+        peers = f" (per peer: {', '.join(format_bytes(b) for b in self.per_peer)})" if self.per_peer else ""
+        return f"{self.kind} on {self.axis}: {format_bytes(self.bytes)}{peers}"
 
 
 @dataclass
@@ -244,8 +248,10 @@ class explain:
 
     def record(self, kind: str, mesh: DeviceMesh, axis: int, bytes_sent: int) -> None:
         """Called by ``comm`` for each collective (the ``CommRecorder`` protocol)."""
+        from shardwise.parallel.expert_parallel.all_to_all import exchange_in_progress
+
         module, phase = self._where()
-        entry = CollectiveEntry(kind, mesh.axis_name(axis), bytes_sent, module, phase)
+        entry = CollectiveEntry(kind, mesh.axis_name(axis), bytes_sent, module, phase, exchange_in_progress())
         (self._stack[-1].collectives if self._stack else self.explanation.collectives).append(entry)
 
 

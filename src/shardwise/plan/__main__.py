@@ -1,7 +1,8 @@
 """``python -m shardwise.plan --config llama3_8b --nproc 1024 --hardware h100-80gb --gpus-per-node 8``
 
 Enumerates every (dp_replicate, dp_shard, cp, tp, pp) split of the world (pp up to
-``--max-pp``), drops the invalid ones with the reason, simulates each valid layout
+``--max-pp``), for a family with experts each with every expert-parallel degree it admits (up to
+``--max-ep``; routing assumed balanced), drops the invalid ones with the reason, simulates each valid layout
 (``shardwise.simulate``: once with one block per pipeline stage and once with two,
 extrapolated linearly to the model's depth, since every block costs the same),
 prices it on the hardware profile (``search.price``) and prints the fastest that fit, each as
@@ -39,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cp", type=int, default=1, help="largest context-parallel degree considered")
     p.add_argument("--max-pp", type=int, default=1,
                    help="largest pipeline degree considered (1F1B, microbatches = pp)")
+    p.add_argument("--max-ep", type=int, default=None,
+                   help="largest expert-parallel degree considered (default: every one the model's experts admit; "
+                        "1 for a family without experts)")
     p.add_argument("--max-replicate", type=int, default=None,
                    help="largest dp_replicate considered (each layout is one simulation: fewer is faster)")
     p.add_argument("--activation-checkpointing", action="store_true", help="plan with recomputed block activations")
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     plans, dropped = [], []
     started = time.perf_counter()
     # Heads 0 turn search's own head check off: the family checks its shapes (``_model_refuses``).
-    for cand, why in candidates(ns.nproc, 0, 0, batch, ns.seq_len, ns.gpus_per_node, ns.max_pp, n_layers):
+    max_ep = ns.max_ep if ns.max_ep is not None else (ns.nproc if family.expert_parallel is not None else 1)
+    for cand, why in candidates(ns.nproc, 0, 0, batch, ns.seq_len, ns.gpus_per_node, ns.max_pp, n_layers, max_ep):
         if why is None:
             why = _model_refuses(family, args, cand, ns)
         if why is None and cand.cp > ns.max_cp:
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{PROG}: {len(plans)} valid layouts simulated in {time.perf_counter() - started:.0f} s, "
           f"{len(ranked)} fit, {len(dropped)} dropped")
     print("overlap: data-parallel traffic (dp_shard, dp_replicate) hides under compute; tp/cp traffic does not"
+          + ("; nor do ep's token all_to_alls (the experts' FSDP on dp_shard_mod_ep does hide)" if max_ep > 1 else "")
           + ("; pp sends do not, and the 1F1B bubble adds (pp - 1)/pp of compute" if ns.max_pp > 1 else ""))
     for i, p in enumerate(ranked[:ns.top], 1):
         comm = ", ".join(f"{a} {t * 1e3:.0f} ms ({p.placement[a]})" for a, t in sorted(p.comm_s.items()))
@@ -142,10 +148,12 @@ def _model_refuses(family: ModelFamily, args: Any, cand: Candidate, ns: argparse
     from shardwise.parallel.dims import ParallelDims
     from shardwise.train.config import ConfigError
 
-    dims = ParallelDims(**cand.degrees(), world_size=ns.nproc)
+    if cand.ep > 1 and family.expert_parallel is None:
+        return f"ep {cand.ep}: the family has no experts"
     try:
+        dims = ParallelDims(**cand.degrees(), world_size=ns.nproc)
         family.check_degrees(args, dims, ns.config)
-    except ConfigError as err:
+    except (ConfigError, ValueError) as err:
         return str(err)
     return None
 

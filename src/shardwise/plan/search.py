@@ -15,6 +15,10 @@ rank, from the simulation) and a ``Hardware`` profile:
   data-parallel axes' gathers and reductions overlap with compute (FSDP prefetch, bucketed
   reductions), tensor- and context-parallel ones sit on the critical path between ops, and so
   do pipeline sends;
+* expert parallelism (``ep``, borrowed from dp_shard x cp): the token dispatch and combine
+  all_to_alls on the ep axis are priced like any collective (``Collective.ALL_TO_ALL``) and sit
+  on the critical path; the experts' FSDP traffic on ``dp_shard_mod_ep`` overlaps as dp_shard's
+  does. The simulation assumes balanced routing (README, "Simulate a job and plan a layout");
 * a pipeline (1F1B, one microbatch per stage by default) idles ``pp - 1`` microbatch slots of
   ``microbatches + pp - 1``: compute is multiplied by ``(microbatches + pp - 1) / microbatches``.
 
@@ -34,7 +38,7 @@ __all__ = ["Hardware", "load_hardware", "Candidate", "candidates", "LayoutCost",
            "MFU", "OVERLAPPED_AXES"]
 
 MFU = 0.5  # fraction of peak FLOP/s a step's compute is assumed to reach
-OVERLAPPED_AXES = ("dp_shard", "dp_replicate", "dp_shard_cp", "dp", "dp_cp")
+OVERLAPPED_AXES = ("dp_shard", "dp_replicate", "dp_shard_cp", "dp", "dp_cp", "dp_shard_mod_ep")
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first, as ParallelDims
 FLATTENED_AXES = {"dp_shard_cp": ("dp_shard", "cp"), "dp": ("dp_replicate", "dp_shard"),
                   "dp_cp": ("dp_replicate", "dp_shard", "cp")}
@@ -49,10 +53,11 @@ class Candidate:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # borrowed from dp_shard x cp: not a factor of the world
 
     def degrees(self) -> dict[str, int]:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
-                "pp": self.pp}
+                "pp": self.pp, "ep": self.ep}
 
     def flags(self) -> str:
         return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.degrees().items() if v > 1) or "--dp-shard 1"
@@ -63,18 +68,25 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(world: int, n_heads: int, n_kv_heads: int, global_batch: int, seq_len: int,
-               max_tp: int | None = None, max_pp: int = 1,
-               n_layers: int | None = None) -> Iterator[tuple[Candidate, str | None]]:
+               max_tp: int | None = None, max_pp: int = 1, n_layers: int | None = None,
+               max_ep: int = 1) -> Iterator[tuple[Candidate, str | None]]:
     """Every split of ``world`` into (dp_replicate, dp_shard, cp, tp, pp) with ``pp <= max_pp``,
-    with why it is invalid (or None)."""
+    each with every ep up to ``max_ep`` it admits (``ep_degrees``), with why it is invalid (or None)."""
     for pp in (d for d in _divisors(world) if d <= max_pp):
         rest = world // pp
         for tp in _divisors(rest):
             for cp in _divisors(rest // tp):
                 for rep in _divisors(rest // (tp * cp)):
                     shard = rest // (tp * cp * rep)
-                    c = Candidate(rep, shard, cp, tp, pp)
-                    yield c, _invalid(c, n_heads, n_kv_heads, global_batch, seq_len, max_tp, n_layers)
+                    for ep in ep_degrees(shard, cp, max_ep):
+                        c = Candidate(rep, shard, cp, tp, pp, ep)
+                        yield c, _invalid(c, n_heads, n_kv_heads, global_batch, seq_len, max_tp, n_layers)
+
+
+def ep_degrees(dp_shard: int, cp: int, max_ep: int) -> list[int]:
+    """The ep degrees a (dp_shard, cp) split admits: 1, and the divisors of dp_shard x cp that are
+    multiples of cp (ep takes whole cp groups; ``ParallelDims``), up to ``max_ep``."""
+    return [1] + [e for e in _divisors(dp_shard * cp) if 1 < e <= max_ep and e % cp == 0]
 
 
 def _invalid(c: Candidate, n_heads: int, n_kv_heads: int, global_batch: int, seq_len: int,
@@ -126,11 +138,19 @@ def axis_links(c: Candidate, gpus_per_node: int) -> dict[str, Link]:
     links["dp_shard_cp"] = links["dp_shard"] if c.dp_shard > 1 else links["cp"]
     links["dp"] = links["dp_replicate"] if c.dp_replicate > 1 else links["dp_shard"]
     links["dp_cp"] = links["dp_replicate"]
+    if c.ep > 1:  # ep = the inner dp_shard ranks x cp: its groups span ep x tp neighbours
+        links["ep"] = Link.INTRA_NODE if c.ep * c.tp <= gpus_per_node else Link.INTER_NODE
+        links["dp_shard_mod_ep"] = links["dp_shard"]
     return links
 
 
 def axis_size(c: Candidate, axis: str) -> int:
-    """Ranks in one group of ``axis`` (a flattened axis: the product of its parts)."""
+    """Ranks in one group of ``axis`` (a flattened axis, or several axes at once as ``"ep+tp"``:
+    the product of its parts)."""
+    if "+" in axis:
+        return math.prod(axis_size(c, part) for part in axis.split("+"))
+    if axis == "dp_shard_mod_ep":
+        return c.dp_shard * c.cp // c.ep
     return math.prod(getattr(c, a) for a in FLATTENED_AXES.get(axis, (axis,)))
 
 
@@ -144,12 +164,17 @@ def axis_time(c: Candidate, axis: str, cost: LayoutCost, link: Link, hw: Hardwar
     return fixed + transfer_time(cost.comm_bytes_by_axis.get(axis, 0), link, hw)
 
 
+def _link(links: dict[str, Link], axis: str) -> Link:
+    """The link of ``axis``; of several axes at once (``"ep+tp"``), the outermost one's (it spans the others)."""
+    return links.get(axis.split("+")[0], Link.INTER_NODE)
+
+
 def price(c: Candidate, cost: LayoutCost, hw: Hardware, gpus_per_node: int, flops_per_step: float,
           world: int) -> Plan:
     """Step time of one layout on ``hw`` (module docstring), dropped if it does not fit."""
     links = axis_links(c, gpus_per_node)
     axes = set(cost.comm_bytes_by_axis) | set(cost.collectives_by_axis)
-    comm = {a: axis_time(c, a, cost, links.get(a, Link.INTER_NODE), hw) for a in sorted(axes)}
+    comm = {a: axis_time(c, a, cost, _link(links, a), hw) for a in sorted(axes)}
     compute = flops_per_step / (world * hw.peak_flops * MFU)
     compute *= (c.pp + c.pp - 1) / c.pp  # the 1F1B bubble, microbatches = pp
     overlapped = sum(t for a, t in comm.items() if a in OVERLAPPED_AXES)
@@ -158,7 +183,7 @@ def price(c: Candidate, cost: LayoutCost, hw: Hardware, gpus_per_node: int, flop
     dropped = None
     if cost.peak_memory_bytes > hw.memory_bytes:
         dropped = f"needs {format_bytes(cost.peak_memory_bytes)} per GPU, {hw.name} has {format_bytes(hw.memory_bytes)}"
-    return Plan(c, cost, compute, comm, step, dropped, {a: links.get(a, Link.INTER_NODE).value for a in comm})
+    return Plan(c, cost, compute, comm, step, dropped, {a: _link(links, a).value for a in comm})
 
 
 def rank_plans(plans: list[Plan]) -> list[Plan]:

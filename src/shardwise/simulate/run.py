@@ -13,8 +13,12 @@ simulated group).
 
 Assumptions, where a real step's behaviour depends on values: every embedding row lookup may
 fall in any rank's block (meta tensors have no indices; boolean masks keep every element, an
-upper bound on a transient of the vocabulary-parallel embedding's backward), and every rank
-produces a gradient for every parameter it uses. Mixed precision without FSDP (torch.autocast,
+upper bound on a transient of the vocabulary-parallel embedding's backward), every rank
+produces a gradient for every parameter it uses, and mixture-of-experts routing (which tokens
+reach which expert) is balanced, or, with ``--simulate-expert-imbalance F``, every rank sends
+expert 0 F times the mean rows (``expert_parallel.dispatch.assumed_exchange``): ep rank 0,
+which holds that expert, receives the most, and its figures stand for its ep peers (an upper
+bound for them). Mixed precision without FSDP (torch.autocast,
 which does not act on meta tensors) is simulated in fp32: an upper bound.
 """
 
@@ -28,6 +32,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from shardwise.parallel.expert_parallel.dispatch import assumed_routing
 from shardwise.simulate.measure import StepMeasurement, measure_step
 from shardwise.simulate.process_group import simulated_world
 from shardwise.simulate.symmetry import layouts_of, rank_classes
@@ -98,7 +103,7 @@ def simulate_rank(job, rank: int) -> tuple[StepMeasurement, list]:
     from shardwise.train.trainer import Runtime, build_model, build_optimizer, build_pipeline, loss_fn, train_step
     from shardwise.tensor import random as sw_random
 
-    with simulated_world(rank, job.nproc):
+    with simulated_world(rank, job.nproc), assumed_routing(job.simulate_expert_imbalance):
         dims = job.parallel_dims()
         world_mesh = dims.build_mesh("cpu")
         flat = DeviceMesh("cpu", list(range(job.nproc)), mesh_dim_names=("world",))

@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no workers: simulate one step of every rank (--nproc of them) in this process on "
                         "meta tensors and print each rank's parameter, gradient, optimizer and peak memory and its "
                         "bytes sent per mesh axis (with --metrics-file: as JSON, per_rank)")
+    p.add_argument("--simulate-expert-imbalance", type=float, default=d.simulate_expert_imbalance, metavar="F",
+                   help="with --simulate and --ep: routing is not known on meta tensors; every rank routes alike "
+                        "and the busiest expert (expert 0) gets F times the mean rows, the others the rest evenly "
+                        "(1: balanced)")
     ckpt = p.add_argument_group("checkpoints", "A checkpoint holds the model, the optimizer (AdamW moments and step "
                                 "counts), the learning-rate schedule, the step, the data position and the seed; it "
                                 "loads into any parallel layout and world size.")

@@ -133,6 +133,7 @@ class JobConfig:
     collective_timeout: float = 120.0
     explain: bool = False
     simulate: bool = False  # --simulate: no workers, one process simulates every rank (shardwise.simulate)
+    simulate_expert_imbalance: float = 1.0  # --simulate: the busiest expert's rows over the mean (1: balanced)
 
     # ------------------------------------------------------------------ derived values
     def model_family(self) -> ModelFamily:
@@ -239,9 +240,12 @@ class JobConfig:
         self.model_family().check_degrees(model, dims, self.config)
         if dims.ep > 1 and self.model_family().expert_parallel is None:
             raise ConfigError(f"--ep {dims.ep}: model family {self.family!r} has no experts (use --family moe)")
-        if dims.ep > 1 and self.simulate:
-            raise ConfigError(f"--simulate with --ep {dims.ep} is not supported yet (the token dispatch reads its "
-                              f"counts from the device); simulate the layout without --ep")
+        if not self.simulate_expert_imbalance >= 1.0:
+            raise ConfigError(f"--simulate-expert-imbalance is the busiest expert's rows over the mean, at least 1; "
+                              f"got {self.simulate_expert_imbalance}")
+        if self.simulate_expert_imbalance != 1.0 and not (self.simulate and dims.ep > 1):
+            raise ConfigError(f"--simulate-expert-imbalance {self.simulate_expert_imbalance} sets the routing a "
+                              f"simulated expert-parallel step assumes: use it with --simulate and --ep")
         self._check_layout(dims)
         self._check_pipeline(model, dims)
         self._check_checkpointing()

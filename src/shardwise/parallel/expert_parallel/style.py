@@ -36,8 +36,9 @@ from torch import nn
 from shardwise import comm
 from shardwise.core.mesh import DeviceMesh
 from shardwise.core.placement import Shard
-from shardwise.parallel.expert_parallel.all_to_all import all_to_all_rows, copy_to_axis, sum_over_axis
-from shardwise.parallel.expert_parallel.dispatch import DispatchPlan, plan_dispatch
+from shardwise.parallel.expert_parallel.all_to_all import all_to_all_rows, copy_to_axis, issuing, sum_over_axis
+from shardwise.parallel.expert_parallel.dispatch import (DispatchPlan, note_exchange, plan_dispatch,
+                                                         simulated_exchange)
 from shardwise.parallel.tensor_parallel.style import ParallelStyle, _check_plain, _shard_parameter, describe_module
 
 __all__ = ["ExpertParallel", "install_dispatch"]
@@ -102,12 +103,18 @@ def install_dispatch(module: nn.Module, mesh: DeviceMesh, ep_axis: int, tp_axis:
 
 def _dispatch(rows: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh, axis: int) -> tuple[tuple, _InFlight]:
     """(rows of this rank's experts sorted by expert, their counts on the host), and the plan."""
-    peers = mesh.size(axis)
+    peers, experts = mesh.size(axis), len(counts)
     counts = counts.to(torch.int64)
-    per_peer = [len(counts) // peers] * peers
-    recv = comm.all_to_all_counts(counts, per_peer, per_peer, mesh, axis)  # [experts]: peer s's counts for mine
-    both = torch.cat([counts, recv]).tolist()  # the one host synchronization: [2 * experts]
-    plan = plan_dispatch(both[:len(counts)], both[len(counts):], peers)
+    per_peer = [experts // peers] * peers
+    with issuing(per_peer, counts.element_size(), mesh.get_local_rank(axis)):
+        recv = comm.all_to_all_counts(counts, per_peer, per_peer, mesh, axis)  # [experts]: peer s's counts for mine
+    if counts.is_meta:  # a simulated step: no values to read, routing assumed (dispatch.simulated_exchange)
+        send_counts, recv_counts = simulated_exchange(rows.shape[0], experts, peers, mesh.get_local_rank(axis))
+    else:
+        both = torch.cat([counts, recv]).tolist()  # the one host synchronization: [2 * experts]
+        send_counts, recv_counts = both[:experts], both[experts:]
+        note_exchange(send_counts, recv_counts)
+    plan = plan_dispatch(send_counts, recv_counts, peers)
     received = all_to_all_rows(rows, plan.send_splits, plan.recv_splits, mesh, axis)  # [sum(recv_splits), dim]
     regroup = plan.regroup.to(rows.device, non_blocking=True)
     local_counts = torch.tensor(plan.expert_rows, dtype=torch.int64)  # on the host: the experts read no device
