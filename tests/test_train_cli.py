@@ -291,3 +291,18 @@ def test_a_family_without_config_runs_its_default_config():
     assert cli.job_from_argv(["--family", "moe", "--config", "tiny_moe"]).config == "tiny_moe"
     with pytest.raises(ConfigError, match="unknown model family 'nope'"):
         cli.job_from_argv(["--family", "nope"])
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["--dp_shard", "2"], "(did you mean --dp-shard?)"),
+    (["--sequence-paralel"], "(did you mean --sequence-parallel?)"),
+    (["--dp_shard", "2", "--tp_", "2"], "(did you mean: --dp-shard for --dp_shard, --tp for --tp_?)"),
+])
+def test_a_flag_typo_is_one_line_naming_the_closest_flag(monkeypatch, capsys, argv, hint):
+    err = refusal_in_launcher(monkeypatch, capsys, argv)
+    assert "unrecognized arguments" in err and hint in err and err.rstrip().endswith("(see --help)"), err
+
+
+def test_an_unknown_flag_with_no_close_one_gets_no_guess(monkeypatch, capsys):
+    err = refusal_in_launcher(monkeypatch, capsys, ["--frobnicate", "3"])
+    assert "did you mean" not in err and "--frobnicate" in err, err

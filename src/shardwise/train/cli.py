@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import sys
+from typing import NoReturn
 
 from shardwise.launch.launcher import main_or_launch, under_launcher
 from shardwise.train.config import COMPILE_BACKENDS, ConfigError, JobConfig, describe_config, is_lead_process
@@ -36,6 +38,30 @@ __all__ = ["build_parser", "job_from_argv", "main", "EXIT_BAD_JOB"]
 
 EXIT_BAD_JOB = 2
 PROG = "shardwise.train"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An unknown flag is one error line naming the closest known flag (``--dp_shard``: did you
+    mean ``--dp-shard``?) instead of the whole usage; ``--help`` still prints it."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = _did_you_mean(message, [o for a in self._actions for o in a.option_strings])
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see --help)\n")
+
+
+def _did_you_mean(message: str, flags: list[str]) -> str:
+    """`` (did you mean --x?)`` for the unrecognized flags in argparse's ``message``, or ''."""
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    guesses = {}
+    for word in message.split(":", 1)[1].split():
+        typed = word.split("=", 1)[0]
+        close = difflib.get_close_matches(typed.replace("_", "-"), flags, n=1, cutoff=0.75) if typed.startswith("--") else []
+        if close:
+            guesses[typed] = close[0]
+    if len(guesses) == 1:
+        return f" (did you mean {next(iter(guesses.values()))}?)"
+    return f" (did you mean: {', '.join(f'{close} for {typed}' for typed, close in guesses.items())}?)" if guesses else ""
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -51,7 +77,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     d = JobConfig()
-    p = argparse.ArgumentParser(prog=PROG, formatter_class=_HelpFormatter,
+    p = _Parser(prog=PROG, formatter_class=_HelpFormatter,
                                 description="Train a model of any registered family (default: a Llama-style decoder) on the "
                                 "Python standard library's source with "
                                 "any mix of FSDP/HSDP, DDP, TP, SP, loss parallelism, context parallelism (--cp), pipeline "
