@@ -390,6 +390,28 @@ def test_launch_command_line(monkeypatch, capsys):
     assert "--nproc 4 differs from the launcher's world size 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["2", "script.py"], "no script '2': "),  # forgot --nproc
+    (["--nproc", "2", "no_such_script.py"], "no script 'no_such_script.py': "),
+    (["--nproc", "2", "-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
+])
+def test_a_missing_program_is_refused_before_any_worker_starts(monkeypatch, capsys, tmp_path, argv, message):
+    monkeypatch.chdir(tmp_path)
+    for name in _LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launch, "launch", _must_not_start)
+    with pytest.raises(SystemExit) as stop:
+        launch.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"shardwise.launch: error: {message}") and err.count("\n") == 1, err
+    if argv[0] == "2":
+        assert "--nproc 2 goes before the script" in err
+
+
+def _must_not_start(*args, **kwargs):
+    raise AssertionError("the launcher started workers for a program that does not exist")
+
+
 # ---------------------------------------------------------------------- the library setting
 @pytest.mark.parametrize("text,kind", [
     ("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 4000ms for recv operation to complete", "timeout"),

@@ -206,6 +206,11 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         sys.exit(2)
     if timeout is not None:
         os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = timeout
+    if not under_launcher():
+        problem = _missing_program(program)
+        if problem:
+            print(f"shardwise.launch: error: {problem}", file=sys.stderr)
+            sys.exit(2)
     if under_launcher():
         world = int(os.environ["WORLD_SIZE"])
         if nproc is not None and nproc != world:
@@ -247,6 +252,23 @@ def _parse(argv: list[str]) -> tuple[int | None, str | None, list[str]]:
         else:
             timeout = _positive_seconds(value)
     raise ValueError("no program given (a script or -m module)")
+
+
+def _missing_program(program: list[str]) -> str | None:
+    """Why ``program`` cannot run (checked before any worker starts), or None."""
+    if program[0] == "-m":
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(program[1]) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"no module named {program[1]!r} (-m {program[1]})"
+    script = program[0]
+    if os.path.isfile(script):
+        return None
+    hint = f" (a process count? --nproc {script} goes before the script)" if script.isdigit() else ""
+    return f"no script {script!r}: {os.path.abspath(script)} is not a file{hint}"
 
 
 def _positive_int(text: str) -> int:
