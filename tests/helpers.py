@@ -56,7 +56,8 @@ def train_run(argv: list[str], measure: bool = False) -> dict[str, Any]:
     if measure:
         job = dataclasses.replace(job, metrics_file="unused.json")
     metrics = train(job, Runtime.create(job))
-    return {"losses": metrics.losses, "lrs": metrics.lrs, "state": metrics.state, "per_rank": metrics.per_rank}
+    return {"losses": metrics.losses, "lrs": metrics.lrs, "state": metrics.state, "per_rank": metrics.per_rank,
+            "first_step": metrics.first_step}
 
 
 @functools.cache

@@ -203,6 +203,9 @@ def test_batches_are_deterministic_and_dp_slices_tile_the_global_batch():
 def test_builtin_png_writer():
     png = render_loss_png([5.0, 4.0, 4.5, 3.0])
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and png[-8:-4] == b"IEND"
+    # a resumed run's curve is labelled from its first step: the same curve, other step labels
+    assert render_loss_png([5.0, 4.0, 4.5, 3.0], first_step=6) != png
+    assert render_loss_png([5.0, 4.0, 4.5, 3.0], first_step=1) == png
 
 
 def test_job_layout_names():

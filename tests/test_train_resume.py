@@ -44,6 +44,7 @@ def test_run_stopped_under_fsdp_resumes_under_fsdp_tp_with_the_same_losses(dist,
     worst = _max_rel(second[0]["losses"], whole["losses"][STOP:])
     assert worst < RTOL, f"steps {STOP + 1}-{STEPS} after resuming: {second[0]['losses']} vs {whole['losses'][STOP:]}"
     assert second[0]["lrs"] == pytest.approx(whole["lrs"][STOP:], rel=1e-12)  # the schedule resumed too
+    assert (first[0]["first_step"], second[0]["first_step"]) == (1, STOP + 1)  # --plot's x axis starts there
     assert latest_checkpoint(ckpt).step == STEPS  # saved at the end of the run
 
 

@@ -98,6 +98,7 @@ class RunMetrics:
     device: torch.device = torch.device("cpu")
     rank: int = 0
     losses: list[float] = field(default_factory=list)
+    first_step: int = 1  # the step of losses[0]: after a resume, the checkpoint's step + 1
     step_times: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     peak_memory: list[int] = field(default_factory=list)

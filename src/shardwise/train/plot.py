@@ -31,15 +31,16 @@ _FONT = {
 }
 
 
-def write_loss_plot(path: str, losses: list[float], title: str = "") -> str:
-    """Write the loss curve to ``path``; return a line saying how it was drawn."""
+def write_loss_plot(path: str, losses: list[float], title: str = "", first_step: int = 1) -> str:
+    """Write the loss curve to ``path``, ``losses[0]`` at step ``first_step`` (a resumed run's
+    first step); return a line saying how it was drawn."""
     plt = _pyplot()
     if plt is None:  # outside the ImportError handler: a failed write is not chained under it
         with open(path, "wb") as f:
-            f.write(render_loss_png(losses))
+            f.write(render_loss_png(losses, first_step))
         return f"loss plot: {path} (built-in plotter; install matplotlib for a labelled chart)"
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.plot(range(1, len(losses) + 1), losses)
+    ax.plot(range(first_step, first_step + len(losses)), losses)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)
@@ -97,8 +98,8 @@ class _Canvas:
                         self.dot(x + 6 * i + c, y + r, color)
 
 
-def render_loss_png(losses: list[float]) -> bytes:
-    """PNG bytes of the loss curve (step on x, loss on y)."""
+def render_loss_png(losses: list[float], first_step: int = 1) -> bytes:
+    """PNG bytes of the loss curve (step on x from ``first_step``, loss on y)."""
     canvas = _Canvas(WIDTH, HEIGHT)
     x0, x1, y0, y1 = LEFT, WIDTH - RIGHT, HEIGHT - BOTTOM, TOP
     lo, hi = (min(losses), max(losses)) if losses else (0.0, 1.0)
@@ -110,8 +111,9 @@ def render_loss_png(losses: list[float]) -> bytes:
         canvas.text(4, y - 3, f"{lo + (hi - lo) * k / 4:.3f}"[:9])
     canvas.line(x0, y0, x1, y0, BLACK)
     canvas.line(x0, y0, x0, y1, BLACK)
-    canvas.text(x0, y0 + 8, "1")
-    canvas.text(x1 - 6 * len(str(len(losses))), y0 + 8, str(len(losses)))
+    last = str(first_step + max(len(losses), 1) - 1)
+    canvas.text(x0, y0 + 8, str(first_step))
+    canvas.text(x1 - 6 * len(last), y0 + 8, last)
     canvas.text((x0 + x1) // 2 - 12, y0 + 22, "step")
     canvas.text(4, 8, "loss")
 

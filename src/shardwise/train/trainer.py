@@ -354,6 +354,7 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
     data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
     metrics = RunMetrics(job.global_batch * job.seq_len, job.steps, runtime.loss_mesh, runtime.flat_mesh,
                          runtime.device, runtime.rank)
+    metrics.first_step = first + 1
     finite = _FiniteCheck(runtime.flat_mesh, runtime.device)
     metrics.start()
     for step in range(first, job.last_step):
@@ -457,4 +458,4 @@ def _finish(job: JobConfig, runtime: Runtime, metrics: RunMetrics) -> None:
         metrics.write_json(job.metrics_file, {"job": job.as_dict(), "layout": job.layout()})
         print(f"  metrics: {job.metrics_file}", flush=True)
     if job.plot:
-        print(f"  {write_loss_plot(job.plot, metrics.losses, title=f'{job.config} {job.layout()}')}", flush=True)
+        print(f"  {write_loss_plot(job.plot, metrics.losses, title=f'{job.config} {job.layout()}', first_step=metrics.first_step)}", flush=True)
