@@ -180,7 +180,8 @@ def _no_sync_accumulation(shape: tuple[int, ...]):
     return {n: p.full_tensor() for n, p in model.named_parameters()}, counts, grads_untouched, comms.get_comm_counts()
 
 
-def test_set_requires_gradient_sync_reduces_accumulated_grads_once(dist):
+def _one_process_accumulated() -> nn.Module:
+    """The oracle: toy.net after two SGD steps of MICRO accumulated microbatches on one process."""
     model = toy.net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(2):
@@ -189,6 +190,11 @@ def test_set_requires_gradient_sync_reduces_accumulated_grads_once(dist):
             (nn.functional.mse_loss(model(x), y) / MICRO).backward()
         opt.step()
         opt.zero_grad()
+    return model
+
+
+def test_set_requires_gradient_sync_reduces_accumulated_grads_once(dist):
+    model = _one_process_accumulated()
     groups = 5
     synced_by_mesh = ({"reduce_scatter": groups}, {"reduce_scatter": groups, "all_reduce": groups})  # 1-D, HSDP
     for per_mesh in dist.run(4, _no_sync_both_meshes):
@@ -227,14 +233,7 @@ def _kept_between_microbatches():
 
 
 def test_set_reshard_after_backward_keeps_parameters_for_the_next_microbatch(dist):
-    model = toy.net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(2):
-        for micro in range(MICRO):
-            x, y = toy.data(step * MICRO + micro)
-            (nn.functional.mse_loss(model(x), y) / MICRO).backward()
-        opt.step()
-        opt.zero_grad()
+    model = _one_process_accumulated()
     groups = 5  # four blocks and the root
     for params, counts, live in dist.run(4, _kept_between_microbatches):
         for name, p in model.named_parameters():

@@ -57,12 +57,7 @@ class FSDPModule:
         across HSDP replicas), so gradient accumulation over microbatches costs one reduction.
         Costs the memory of the unsharded gradients meanwhile.
         """
-        if not isinstance(requires_gradient_sync, bool):
-            raise TypeError(f"set_requires_gradient_sync needs a bool, got {requires_gradient_sync!r}")
-        for module in self.modules() if recurse else [self]:
-            state = state_of(module)
-            if state is not None:
-                state.requires_gradient_sync = requires_gradient_sync
+        self._set_on_states("requires_gradient_sync", requires_gradient_sync, recurse)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's summed gradients by ``factor`` (default: the data-parallel ranks).
@@ -82,12 +77,17 @@ class FSDPModule:
         nothing; costs their unsharded memory meanwhile. A later backward with it on frees
         them, or ``reshard()``. A forward with ``reshard_after_forward`` still frees them after it.
         """
-        if not isinstance(reshard_after_backward, bool):
-            raise TypeError(f"set_reshard_after_backward needs a bool, got {reshard_after_backward!r}")
+        self._set_on_states("reshard_after_backward", reshard_after_backward, recurse)
+
+    def _set_on_states(self, flag: str, value: bool, recurse: bool) -> None:
+        """Set the boolean ``flag`` on this module's fully_shard state (and, with ``recurse``,
+        on every fully_shard'ed module's below it)."""
+        if not isinstance(value, bool):
+            raise TypeError(f"set_{flag} needs a bool, got {value!r}")
         for module in self.modules() if recurse else [self]:
             state = state_of(module)
             if state is not None:
-                state.reshard_after_backward = reshard_after_backward
+                setattr(state, flag, value)
 
     def _apply(self, fn, recurse: bool = True):
         """``to_empty`` / ``.to`` / ``.cuda``: move the shards, then rebuild the gathered storage on their device.
