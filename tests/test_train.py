@@ -35,7 +35,7 @@ LAYOUTS = [
     (4, ["--dp-replicate", "2", "--dp-shard", "2"]),
     (4, ["--tp", "2", "--sequence-parallel", "--dp-shard", "2", "--activation-checkpointing"]),
     (8, ["--dp-replicate", "2", "--dp-shard", "2", "--tp", "2"]),
-    (2, ["--dp-replicate", "2"]),
+    (2, ["--dp-replicate", "2", "--activation-checkpointing"]),  # DDP: recomputation uses the plain replicas
     (4, ["--tp", "2", "--dp-shard", "2", "--sequence-parallel", "--compile", "--compile-backend", "aot_eager"]),
 ]
 

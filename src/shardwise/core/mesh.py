@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch._opaque_base import OpaqueBase
 
 from shardwise.comm.timeout import collective_timeout, remember_group
+from shardwise.core.foreign import foreign_note
 
 __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "default_mesh", "world_mesh", "axis_slices",
-           "group_cached", "forget_groups", "UNPICKLE_FUNCTIONS"]
+           "group_cached", "forget_groups", "check_mesh", "UNPICKLE_FUNCTIONS"]
 
 # Rank tuple -> process group. Shared by all meshes of the process so each group exists once.
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -64,6 +65,14 @@ def current_mesh() -> "DeviceMesh | None":
 
 
 _DEFAULT_MESHES: dict[str, "DeviceMesh"] = {}  # device type -> its world mesh
+
+
+def check_mesh(mesh: object, where: str) -> None:
+    """Raise one TypeError naming ``where`` unless ``mesh`` is a shardwise DeviceMesh (torch's
+    own mesh is named as torch's, with the conversion to use)."""
+    if not isinstance(mesh, DeviceMesh):
+        what = foreign_note(mesh) or f"{mesh!r} (a {type(mesh).__name__})"
+        raise TypeError(f"{where}: the mesh must be a shardwise DeviceMesh; got {what}")
 
 
 def default_mesh(device_type: str = "cpu") -> "DeviceMesh":

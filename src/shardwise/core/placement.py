@@ -20,6 +20,8 @@ from typing import ClassVar, Sequence
 
 import torch
 
+from shardwise.core.foreign import foreign_note
+
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "check_placements", "as_placements"]
 
 
@@ -161,6 +163,8 @@ def as_placements(value: object, what: str = "placements") -> tuple[Placement, .
         return value  # the common case, kept cheap: specs are built on every cache miss
     if not isinstance(value, (list, tuple)):
         hint = f"; write [{value!r}]" if isinstance(value, Placement) else ""
+        if foreign_note(value):
+            hint = f": {foreign_note(value)}"
         if isinstance(value, type) and issubclass(value, Placement):
             hint = f"; write [{value.__name__}({'0' if value is Shard else ''})], with parentheses"
         raise TypeError(
@@ -168,6 +172,8 @@ def as_placements(value: object, what: str = "placements") -> tuple[Placement, .
             f"got {_describe(value)}{hint}"
         )
     for i, p in enumerate(value):
+        if not isinstance(p, Placement) and foreign_note(p):
+            raise TypeError(f"{what}[{i}] of {show_placements(value)} is {foreign_note(p)}")
         if not isinstance(p, Placement):
             raise TypeError(
                 f"{what}[{i}] of {show_placements(value)} is {_describe(p)}; expected Placement objects: "

@@ -25,6 +25,7 @@ from shardwise.dispatch.cache import PLANS, registry_version
 from shardwise.dispatch.render import plain as _plain, render_call
 from shardwise.dispatch.propagation import Action, OutputPlan, Returns, UnsupportedOp, propagate, with_layouts
 from shardwise.dispatch.strategy import OpSchema
+from shardwise.core.foreign import foreign_note
 from shardwise.core.placement import Replicate
 from shardwise.redistribute.cross_mesh import mesh_ranks
 from shardwise.redistribute.execute import redistribute_local
@@ -464,6 +465,8 @@ def _StrictPlan(mesh) -> OutputPlan:
         if torch._C._current_graph_task_id() != -1 and all(_zero_filled(t) for _, t in plain):
             return implicit(func, args, kwargs)
         where, tensor = plain[0]
+        if foreign_note(tensor):
+            raise ValueError(f"{render_call(func, args, kwargs)}: argument {where} is {foreign_note(tensor)}")
         raise ValueError(
             f"{render_call(func, args, kwargs)}: argument {where} is a plain tensor {_plain(tensor)} mixed with "
             "DTensors. Make it a DTensor (distribute_tensor / DTensor.from_local), or use "

@@ -409,7 +409,18 @@ def _warn_fallback(op: Any, call: str) -> None:
         warnings.warn(f"shardwise: replicating every input of {call} (no sharding support for {op})", stacklevel=4)
 
 
+# torch.distributed's collectives as ATen ops (dist.all_reduce is c10d.allreduce_).
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+
 def _unsupported_message(op: Any, call: str) -> str:
+    if getattr(op, "namespace", None) in _COLLECTIVE_NAMESPACES:
+        return (
+            f"a torch.distributed collective was called on a DTensor ({call.split('(')[0]}): a DTensor is one "
+            "logical tensor whose layout implies its communication. Change the layout instead "
+            "(dtensor.redistribute(mesh, [Replicate()]) sums a Partial DTensor; dtensor.full_tensor() gives the "
+            "whole value), or call the collective on dtensor.to_local() to communicate this rank's block"
+        )
     return (
         f"shardwise has no sharding support for {call}. Register one with "
         f"@shardwise.register_sharding({op}) (per-axis placements), or run it replicated with "

@@ -15,10 +15,10 @@ from typing import Any, Sequence
 import torch
 
 from shardwise.comm import run_ahead
-from shardwise.tensor import agreement
+from shardwise.tensor import agreement, torch_checkpoint
 from shardwise.compile.opaque import Packed, never_compiled, opaque, pack, tracing, unpack
 from shardwise.dispatch import bind_tensor_class, dispatch
-from shardwise.core.mesh import DeviceMesh, default_mesh
+from shardwise.core.mesh import DeviceMesh, check_mesh, default_mesh
 from shardwise.core.meta_step import META_STEP
 from shardwise.core.placement import Placement, Replicate, as_placements
 from shardwise.redistribute.cross_mesh import check_same_ranks
@@ -143,7 +143,11 @@ class DTensor(torch.Tensor):
         Example:
             >>> dt = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])  # 4 ranks: f32[8@tp,3]
         """
-        mesh = device_mesh or default_mesh(local_tensor.device.type)
+        if device_mesh is None:
+            mesh = default_mesh(local_tensor.device.type)
+        else:
+            check_mesh(device_mesh, "from_local")
+            mesh = device_mesh
         placements = (as_placements(placements, "from_local: placements") if placements is not None
                       else (Replicate(),) * mesh.ndim)
         if shape is None and stride is not None:
@@ -200,6 +204,8 @@ class DTensor(torch.Tensor):
         if placements is None:
             raise ValueError("redistribute needs target placements")
         placements = as_placements(placements, "redistribute: placements")
+        if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+            check_mesh(device_mesh, "redistribute")
         if async_op:  # collectives return at once; the block waits for its data at first use
             with run_ahead():
                 return _redistribute(self, pack(device_mesh), pack(placements), pack(forward_dtype), pack(backward_dtype))
@@ -242,6 +248,19 @@ class DTensor(torch.Tensor):
         """Pickle as this rank's block + the layout (+ requires_grad and attributes): each rank
         saves and loads its own block; ``torch.save`` stores the block's storage as usual."""
         return _rebuild_dtensor, (self._local_tensor.detach(), self._spec, self.requires_grad, dict(self.__dict__))
+
+    # ------------------------------------------------------------------ torch's distributed checkpoint
+    # torch.distributed.checkpoint.save/load ask these of the tensors they are given: a shardwise
+    # DTensor answers with its block, so torch's checkpoint saves and loads it as its own DTensors
+    # (shardwise/tensor/torch_checkpoint.py).
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        return torch_checkpoint.write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list:
+        return torch_checkpoint.chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return torch_checkpoint.tensor_shard(self, index)
 
     # ------------------------------------------------------------------ torch.compile
     # A DTensor is traced as its block plus its spec: the spec (mesh by identity, placements,

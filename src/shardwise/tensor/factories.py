@@ -9,7 +9,7 @@ import torch
 from shardwise import comm
 from shardwise.tensor import random as sw_random
 from shardwise.tensor.dtensor import DTensor
-from shardwise.core.mesh import DeviceMesh, default_mesh, world_mesh
+from shardwise.core.mesh import DeviceMesh, check_mesh, default_mesh, world_mesh
 from shardwise.core.placement import Partial, Placement, Replicate, Shard, as_placements
 from shardwise.core.spec import DTensorSpec, TensorMeta, contiguous_stride
 
@@ -21,7 +21,10 @@ def _layout(
     """The mesh (default: the world) and validated placements (default: all Replicate)."""
     if placements is not None:
         placements = as_placements(placements, f"{what}: placements")
-    mesh = mesh or default_mesh(device_type)
+    if mesh is None:
+        mesh = default_mesh(device_type)
+    else:
+        check_mesh(mesh, what)
     return mesh, placements if placements is not None else (Replicate(),) * mesh.ndim
 
 

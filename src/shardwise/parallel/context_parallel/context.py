@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise import comm
-from shardwise.core.mesh import DeviceMesh
+from shardwise.core.mesh import DeviceMesh, check_mesh
 from shardwise.parallel.context_parallel.ring_attention import (SequenceLayout, accumulation_dtype, block_backward, block_forward,
                                                chunk_pairs, merge)
 
@@ -215,8 +215,7 @@ def _sdpa_as_ring(mesh: DeviceMesh, layout: SequenceLayout) -> Iterator[None]:
 
 # ---------------------------------------------------------------------- buffers
 def _check_mesh(mesh: Any, where: str) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{where}: mesh must be a shardwise DeviceMesh, got {type(mesh).__name__}")
+    check_mesh(mesh, where)
     if mesh.ndim != 1:
         names = getattr(mesh, "mesh_dim_names", None)
         raise ValueError(f"{where}: the mesh must be 1-D (the cp axis, e.g. world_mesh['cp']); got a {mesh.ndim}-D "

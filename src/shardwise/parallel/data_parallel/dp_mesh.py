@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.core.mesh import DeviceMesh
+from shardwise.core.mesh import DeviceMesh, check_mesh
 from shardwise.core.placement import Placement, Replicate, Shard
 from shardwise.core.spec import DTensorSpec
 
@@ -34,8 +34,7 @@ class DataParallelMesh:
     @staticmethod
     def of(mesh: DeviceMesh, where: str) -> "DataParallelMesh":
         """Validate ``mesh`` for ``where`` (an API call naming the module) and wrap it."""
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"{where}: mesh must be a shardwise DeviceMesh, got {type(mesh).__name__}")
+        check_mesh(mesh, where)
         if mesh.ndim not in (1, 2):
             raise ValueError(
                 f"{where}: the mesh must be 1-D (shard) or 2-D (replicate, shard) for HSDP; "

@@ -11,6 +11,7 @@ bucket has arrived, in a fixed order so every rank issues the same collectives.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -113,7 +114,20 @@ class ReplicateState:
     def install(self) -> None:
         self.module.register_forward_pre_hook(self._pre_forward, prepend=True)
         self.module.register_forward_hook(self._post_forward, always_call=True)
+        self._install_recompute_hooks()
         self._install_grad_hooks()
+
+    def _install_recompute_hooks(self) -> None:
+        """Activation checkpointing re-runs a block's forward during backward, after the root's
+        post-forward hook put the DTensor parameters back: each module owning parameters
+        switches its own to the plain views for a forward run inside backward."""
+        owned: dict[int, tuple[nn.Module, list[ReplicatedParam]]] = {}
+        for p in self.params:
+            for module, _ in p.owners.slots:
+                owned.setdefault(id(module), (module, []))[1].append(p)
+        for module, params in owned.values():
+            module.register_forward_pre_hook(functools.partial(_recompute_with_local, params))
+            module.register_forward_hook(functools.partial(_recompute_done, params), always_call=True)
 
     def __deepcopy__(self, memo: dict) -> "ReplicateState":
         """The state of a ``copy.deepcopy``'d module: module hooks come with the module's copy;
@@ -194,6 +208,20 @@ class ReplicateState:
         self._arrived = [0] * len(self.buckets)
         self._next = 0
         self._pending = False
+
+
+@eager_only
+def _recompute_with_local(params: list[ReplicatedParam], module: nn.Module, args: tuple) -> None:
+    if torch._C._current_graph_task_id() != -1:  # a forward re-run by backward (recomputation)
+        for p in params:
+            p.use_local()
+
+
+@eager_only
+def _recompute_done(params: list[ReplicatedParam], module: nn.Module, args: tuple, output: Any) -> None:
+    if torch._C._current_graph_task_id() != -1:
+        for p in params:
+            p.use_replicated()
 
 
 def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None, bucket_cap_mb: float = 25.0) -> nn.Module:

@@ -19,7 +19,8 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from shardwise.tensor.factories import default_mesh
-from shardwise.core.mesh import DeviceMesh
+from shardwise.core.foreign import foreign_note
+from shardwise.core.mesh import DeviceMesh, check_mesh
 from shardwise.parallel.tensor_parallel.heads import check_head_alignment, check_head_groups
 from shardwise.parallel.tensor_parallel.style import ParallelStyle, describe_module
 
@@ -39,7 +40,8 @@ def resolve_plan(module: nn.Module, plan: dict[str, ParallelStyle]) -> list[tupl
     resolved, owner, unmatched = [], {}, []
     for key, style in plan.items():
         if not isinstance(style, ParallelStyle):
-            raise TypeError(f"parallelize_module: plan[{key!r}] is {style!r}, not a ParallelStyle")
+            got = foreign_note(style) or f"{style!r}, not a ParallelStyle"
+            raise TypeError(f"parallelize_module: plan[{key!r}] is {got}")
         hits = [path for path in modules if path and _matches(key, path)] if key else [""]
         if not hits:
             unmatched.append(key)
@@ -108,10 +110,11 @@ def parallelize_module(
                       "returned unchanged (there is no automatic plan)", stacklevel=2)
         return module
     if not isinstance(parallelize_plan, (ParallelStyle, dict)):
-        raise TypeError(f"parallelize_module: parallelize_plan must be a ParallelStyle or a dict of them, "
-                        f"got {type(parallelize_plan).__name__}")
+        got = foreign_note(parallelize_plan) or type(parallelize_plan).__name__
+        raise TypeError(f"parallelize_module: parallelize_plan must be a ParallelStyle or a dict of them, got {got}")
     if device_mesh is None:
         device_mesh = default_mesh()
+    check_mesh(device_mesh, "parallelize_module")
     plan = {"": parallelize_plan} if isinstance(parallelize_plan, ParallelStyle) else dict(parallelize_plan)
     resolved = resolve_plan(module, plan)
     modules = dict(module.named_modules())
