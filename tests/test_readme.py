@@ -298,3 +298,12 @@ def test_the_trace_of_a_matmul_names_existing_functions():
         if qualname not in defined:
             missing.append(f"{path}:{qualname}")
     assert not missing, f"docs/trace.md names functions that do not exist (rerun scripts/trace_matmul.py): {missing}"
+
+
+def test_the_collective_timeout_defaults_are_the_documented_ones():
+    """docs/failures.md's table gives each default once: the trainer's flag and the library's."""
+    from shardwise.comm.timeout import DEFAULT_COLLECTIVE_TIMEOUT_S
+    from shardwise.train.config import JobConfig
+
+    rows = dict(re.findall(r"^\| (the trainer|everything else)\b.*\| (\d+) s \|$", (REPO / "docs" / "failures.md").read_text(), re.M))
+    assert rows == {"the trainer": f"{JobConfig().collective_timeout:.0f}", "everything else": f"{DEFAULT_COLLECTIVE_TIMEOUT_S:.0f}"}, rows
