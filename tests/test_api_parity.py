@@ -1,4 +1,4 @@
-"""README's "API compared with torch.distributed.tensor" table against the installed torch.
+"""The API table (docs/api.md, "API compared with torch.distributed.tensor") against the installed torch.
 
 Every public name of torch's DTensor modules has one row; a name marked supported exists under
 the same name in the matching shardwise module (and its ``__all__``); a partly supported one
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "## API compared with torch.distributed.tensor"
+API_PAGE = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+SECTION = "# API compared with torch.distributed.tensor"
 
 # torch module -> the shardwise module a user switches the import to
 MATCHING = {
@@ -62,9 +62,9 @@ def torch_public_names() -> dict[str, object]:
     return names
 
 
-def readme_rows() -> list[tuple[str, str | None, str]]:
-    text = README.read_text()
-    assert SECTION in text, f"README.md has no section {SECTION!r}"
+def table_rows() -> list[tuple[str, str | None, str]]:
+    text = API_PAGE.read_text()
+    assert SECTION in text, f"docs/api.md has no section {SECTION!r}"
     body = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
     rows = [m.groups() for m in map(ROW.match, body.splitlines()) if m]
     table_lines = [line for line in body.splitlines() if line.startswith("| `")]
@@ -88,15 +88,15 @@ def resolve(full: str) -> object:
 
 
 def test_the_table_lists_every_public_torch_name_once():
-    listed = [torch_name for torch_name, _, _ in readme_rows()]
+    listed = [torch_name for torch_name, _, _ in table_rows()]
     duplicated = sorted({n for n in listed if listed.count(n) > 1})
     assert not duplicated, f"listed twice: {duplicated}"
     names = torch_public_names()
-    assert sorted(set(names) - set(listed)) == [], "torch names missing from README's API table"
-    assert sorted(set(listed) - set(names)) == [], "README's API table lists names torch does not have"
+    assert sorted(set(names) - set(listed)) == [], "torch names missing from the API table (docs/api.md)"
+    assert sorted(set(listed) - set(names)) == [], "the API table (docs/api.md) lists names torch does not have"
 
 
-ROWS = readme_rows()
+ROWS = table_rows()
 
 
 @pytest.mark.parametrize("torch_name,shardwise_name", [(t, s) for t, s, status in ROWS if status == "supported"])

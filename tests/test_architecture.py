@@ -1,7 +1,7 @@
 """Arrows point down: the import graph of shardwise has no circles and no reach-ins.
 
 Pure: every module under ``src/shardwise`` is parsed with ``ast``, nothing is imported (except
-for the public-names check at the end). The layering README.md's "Layout of the code" describes
+for the public-names check at the end). The layering docs/architecture.md describes
 (comm's timeout below the mesh, the mesh below the rest of comm, comm below tensor and dispatch,
 debug and the trainer on top) holds only as long as
 nothing imports upwards; a function-level import that dodges a circle at import time is still

@@ -324,7 +324,7 @@ def test_redistribute_moves_between_meshes_over_the_same_ranks(dist):
         assert rank_out["flatten"][3] == {} and rank_out["rename"][3] == {}  # every rank keeps its block
         # to [Replicate(), Shard(0)] by one all_gather, then relabel: an exchange would send half
         # the bytes, but on a block this small the cpu profile predicts the native collective
-        # faster (shardwise.cost; README, "The redistribute planner")
+        # faster (shardwise.cost; docs/tools.md, "The redistribute planner")
         assert rank_out["reorder"][3] == {"all_gather": 1}
         assert rank_out["flatten_uneven"][3] == {"all_gather": 2}  # no cheaper layout has the flat blocks
         assert rank_out["to_partial"][3] == {"all_gather": 1}

@@ -3,7 +3,7 @@ router gradients, the load-balancing bias), with the collectives it promises; th
 layouts train to the one-process losses; bad ep jobs are refused up front.
 
 The oracle is the same MoE layer (or the trainer's same job) run in one process on the union of
-every rank's tokens. README, "Expert parallelism".
+every rank's tokens. docs/parallelism.md, "Mixture of experts and expert parallelism".
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_dispatch_plan_sends_every_row_once_and_groups_by_expert():
 
 
 def test_simulated_routing_balanced_or_with_a_busiest_expert():
-    """What a meta step's dispatch assumes (README, "Simulate a job and plan a layout")."""
+    """What a meta step's dispatch assumes (docs/tools.md, "Expert parallelism in the simulation")."""
     from shardwise.parallel.expert_parallel.dispatch import assumed_counts, assumed_exchange
 
     assert assumed_counts(20, 8) == [3, 3, 3, 3, 2, 2, 2, 2]  # uneven: the first experts one row more

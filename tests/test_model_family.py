@@ -2,7 +2,7 @@
 
 The family is registered here, in the test module (the pool workers import it with the task's
 function), and the trainer's files are untouched: ``shardwise.train.spec`` is all a family needs
-(README, "Adding a model family"). The oracle is the trainer's own one-process run of the same
+(docs/trainer.md, "Adding a model family"). The oracle is the trainer's own one-process run of the same
 job. The pure tests check that an unknown family, config or a degree the shapes refuse is one
 ``ConfigError`` naming it.
 """

@@ -2,7 +2,7 @@
 balancing bias), the per-expert compute against a naive per-token reference (values and
 gradients), the auxiliary loss, shapes and counts. Pure, in this process.
 
-README, "Mixture of experts".
+docs/parallelism.md, "Mixture of experts and expert parallelism".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Every code block of README.md runs as written (issue 10, item 7).
+"""Every code block of README.md and of the guides under docs/ runs as written.
 
 The blocks and their ``<!-- readme-test: ... -->`` markers are read by
-``scripts/readme_blocks.py`` (its docstring defines the markers). Python blocks are saved as
+``scripts/readme_blocks.py`` (its docstring defines the markers; ``pages()`` lists the pages). Python blocks are saved as
 ``example.py`` in a fresh directory and started the way their first line tells the reader
 (``torchrun --standalone --nproc-per-node N`` / ``python -m shardwise.launch --nproc N`` / ``python``); bash
 blocks run from the repository root. ``pip install`` commands are not re-run here (this
@@ -14,7 +14,7 @@ written (``CI_BLOCKS_PASSED_ENV``).
 
 A block's job is mostly start-up (a launcher importing torch while its workers wait for it,
 single-process blocks using one core), so the selected blocks run two at a time in the
-background, in README order, as soon as the first block test asks for its result
+background, in page order, as soon as the first block test asks for its result
 (``block_runs``); each block test then checks its own job's exit status and output.
 """
 
@@ -38,8 +38,9 @@ import readme_blocks  # noqa: E402
 
 from tests.declared_deps import blocking_env  # noqa: E402
 
-BLOCKS = readme_blocks.blocks()
-RUNNABLE = [b for b in BLOCKS if b.kind != "skip"]
+BLOCKS = readme_blocks.all_blocks()
+README_BLOCKS = [b for b in BLOCKS if b.page == "README.md"]
+RUNNABLE = [b for b in BLOCKS if b.kind not in ("skip", "text")]
 MAX_SKIPS = 3
 TIMEOUT_S = 240
 CONCURRENT_BLOCKS = 2  # jobs at once: one's start-up overlaps the other's work on 2 cores
@@ -59,6 +60,15 @@ def _env() -> dict[str, str]:
     env["PATH"] = os.pathsep.join((os.path.dirname(sys.executable), env.get("PATH", "")))  # `python` is this one
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return blocking_env(env)
+
+
+def _key(block: readme_blocks.Block) -> tuple[str, int]:
+    return block.page, block.line
+
+
+def _block_id(block: readme_blocks.Block) -> str:
+    """``README-line12-python``, ``docs/concepts-line40-torchrun``: the page, the line, the kind."""
+    return f"{block.page.removesuffix('.md')}-line{block.line}-{block.kind}"
 
 
 def _ran_by_ci(block: readme_blocks.Block) -> bool:
@@ -144,24 +154,24 @@ def _runnable(block: readme_blocks.Block) -> bool:
 
 @pytest.fixture(scope="module")
 def block_runs(request, tmp_path_factory):
-    """The jobs of the selected block tests, queued in README order, ``CONCURRENT_BLOCKS`` at a
-    time: block line -> (command, future of (exit status, output)). A block that cannot run is
-    not queued; its test fails on its own."""
-    selected = {item.callspec.params["block"].line for item in request.session.items
+    """The jobs of the selected block tests, queued in page order, ``CONCURRENT_BLOCKS`` at a
+    time: (page, block line) -> (command, future of (exit status, output)). A block that cannot
+    run is not queued; its test fails on its own."""
+    selected = {_key(item.callspec.params["block"]) for item in request.session.items
                 if item.module.__name__ == __name__ and item.originalname == "test_readme_block_runs"}
-    runs: dict[int, tuple[list[str], Future]] = {}
+    runs: dict[tuple[str, int], tuple[list[str], Future]] = {}
     with ThreadPoolExecutor(max_workers=CONCURRENT_BLOCKS, thread_name_prefix="readme-block") as pool:
         for block in RUNNABLE:
-            if block.line in selected and _runnable(block) and not _ran_by_ci(block):
+            if _key(block) in selected and _runnable(block) and not _ran_by_ci(block):
                 cmd, cwd = _block_command(block, tmp_path_factory.mktemp(f"line{block.line}"))
-                runs[block.line] = (cmd, pool.submit(_run, cmd, cwd))
+                runs[_key(block)] = (cmd, pool.submit(_run, cmd, cwd))
         yield runs
         for _, future in runs.values():
             future.cancel()  # after a failed test under -x: queued jobs do not start
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("block", RUNNABLE, ids=[f"line{b.line}-{b.kind}" for b in RUNNABLE])
+@pytest.mark.parametrize("block", RUNNABLE, ids=[_block_id(b) for b in RUNNABLE])
 def test_readme_block_runs(block, block_runs):
     if block.lang != "python":
         assert block.kind == "bash" and block.lang == "bash", f"{block.name}: a {block.lang or 'plain'} block cannot run"
@@ -172,16 +182,16 @@ def test_readme_block_runs(block, block_runs):
         assert [c for c in commands if not c.startswith("pip install")], f"{block.name}: nothing to run"
     if _ran_by_ci(block):
         pytest.skip(f"{block.name}: .ci/run's README install step ran it as written ({CI_BLOCKS_PASSED_ENV}=1)")
-    cmd, future = block_runs[block.line]
+    cmd, future = block_runs[_key(block)]
     status, out = future.result()
     assert status == 0, f"{block.name}\n$ {shlex.join(cmd)}\nexit {status}:\n{out[-5000:]}"
 
 
 def test_blocks_are_marked_and_few_are_skipped():
-    """readme_blocks.blocks() raised already for an unmarked block; skips stay rare and explained."""
+    """readme_blocks.all_blocks() raised already for an unmarked block; skips stay rare and explained."""
     skips = [b for b in BLOCKS if b.kind == "skip"]
-    assert len(skips) <= MAX_SKIPS, f"{len(skips)} skipped README blocks: {[b.name for b in skips]}"
-    assert all(b.reason for b in skips)
+    assert len(skips) <= MAX_SKIPS, f"{len(skips)} skipped blocks: {[b.name for b in skips]}"
+    assert all(b.reason for b in BLOCKS if b.kind in ("skip", "text"))
     assert {b.lang for b in RUNNABLE} <= {"python", "bash"}, [b.name for b in RUNNABLE]
     assert all(b.kind in ("bash",) for b in RUNNABLE if b.lang == "bash")
 
@@ -201,12 +211,13 @@ def test_pip_commands_install_this_project_with_the_tested_torch():
 
 
 def test_ci_runs_the_readme_commands():
-    """.ci/run runs the 'ci' blocks in a clean install, then the README's test command."""
+    """.ci/run runs the front page's 'ci' blocks in a clean install, then the README's test command."""
     ci = (REPO / ".ci" / "run").read_text()
     assert "readme_blocks.py --ci-dir" in ci
     ci_blocks = [b for b in BLOCKS if b.ci]
+    assert all(b.page == "README.md" for b in ci_blocks), [b.name for b in ci_blocks]
     assert any("shardwise.train" in b.code for b in ci_blocks) and any("shardwise.demo" in b.code for b in ci_blocks)
-    suite = next(b for b in BLOCKS if "python -m pytest" in b.code)
+    suite = next(b for b in README_BLOCKS if "python -m pytest" in b.code)
     assert suite.code.strip() in ci, f".ci/run must run the README's test command {suite.code.strip()!r}"
     # The suite skips the 'ci' blocks only after .ci/run ran them: the variable is exported
     # after the loop over the blocks, before the test command.
@@ -238,21 +249,21 @@ def _layout_entries(code: str) -> list[tuple[str, str]]:
 
 
 def test_layout_block_matches_the_tree():
-    """Every entry of README's layout exists at the path its nesting gives; every package of the
-    library has an entry; a file a folder's description names is in that folder."""
+    """Every entry of the code layout (docs/architecture.md) exists at the path its nesting gives;
+    every package of the library has an entry; a file a folder's description names is in that folder."""
     layout = next(b for b in BLOCKS if b.code.startswith("src/shardwise/"))
     entries = _layout_entries(layout.code)
     missing = [path for path, _ in entries if not (REPO / path).exists()]
-    assert not missing, f"README's code layout names paths that do not exist: {missing}"
+    assert not missing, f"docs/architecture.md's code layout names paths that do not exist: {missing}"
     listed = {path for path, _ in entries}
     packages = sorted(str(p.parent.relative_to(REPO)) for p in (REPO / "src" / "shardwise").rglob("__init__.py"))
     unlisted = [p for p in packages if p not in listed and p != "src/shardwise"]
-    assert not unlisted, f"README's code layout does not show these packages: {unlisted}"
+    assert not unlisted, f"docs/architecture.md's code layout does not show these packages: {unlisted}"
     for path, description in entries:
         if (REPO / path).is_dir():
             here = {f.name for f in (REPO / path).rglob("*.py")}
             strays = [n for n in re.findall(r"\b[\w]+\.py\b", description) if n not in here]
-            assert not strays, f"README's layout: {path}/ describes files it does not hold: {strays}"
+            assert not strays, f"docs/architecture.md's layout: {path}/ describes files it does not hold: {strays}"
 
 
 def test_benchmark_commands_name_existing_scripts_and_flags():
@@ -287,3 +298,12 @@ def test_the_trace_of_a_matmul_names_existing_functions():
         if qualname not in defined:
             missing.append(f"{path}:{qualname}")
     assert not missing, f"docs/trace.md names functions that do not exist (rerun scripts/trace_matmul.py): {missing}"
+
+
+def test_the_collective_timeout_defaults_are_the_documented_ones():
+    """docs/failures.md's table gives each default once: the trainer's flag and the library's."""
+    from shardwise.comm.timeout import DEFAULT_COLLECTIVE_TIMEOUT_S
+    from shardwise.train.config import JobConfig
+
+    rows = dict(re.findall(r"^\| (the trainer|everything else)\b.*\| (\d+) s \|$", (REPO / "docs" / "failures.md").read_text(), re.M))
+    assert rows == {"the trainer": f"{JobConfig().collective_timeout:.0f}", "everything else": f"{DEFAULT_COLLECTIVE_TIMEOUT_S:.0f}"}, rows

@@ -267,10 +267,11 @@ def test_help_shows_each_config_with_its_computed_size():
 _SIZE_CLAIM = re.compile(r"(\d+(?:\.\d+)?)\s*([MB])\s*param", re.I)
 
 
-@pytest.mark.parametrize("doc", ["src/shardwise/train/models/llama/args.py", "src/shardwise/train/cli.py", "README.md"])
+@pytest.mark.parametrize("doc", ["src/shardwise/train/models/llama/args.py", "src/shardwise/train/cli.py", "README.md",
+                                 *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
 def test_no_written_parameter_count_disagrees_with_num_params(doc):
     """Sizes written by hand (``about 40M parameters``) must be one of the configs' real sizes
-    (any family's: the README quotes MoE configs too)."""
+    (any family's: the guides quote MoE configs too)."""
     from shardwise.train.spec import family_names, get_family
 
     families = [get_family(name) for name in family_names()]

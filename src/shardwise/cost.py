@@ -2,8 +2,8 @@
 
 Every part of shardwise that chooses by cost prices communication here: the redistribute
 planner (which plan to run), the dispatcher (which input layouts an op asks for), and
-``shardwise.plan`` (which parallel layout is fastest, from the simulator's figures). README,
-"Simulate a job and plan a layout" and the redistribute planner's section, show the figures.
+``shardwise.plan`` (which parallel layout is fastest, from the simulator's figures). docs/tools.md
+("Simulate a job before running it", "The redistribute planner") shows the figures.
 
 The model is the usual latency-bandwidth one, per mesh axis:
 

@@ -1,5 +1,5 @@
-"""The only package that issues collectives (README, "Layout of the code"; its failures: "When
-something goes wrong").
+"""The only package that issues collectives (docs/architecture.md; its failures: docs/failures.md,
+"When something goes wrong").
 
 One module per concern, each importing only those listed before it:
 

@@ -1,4 +1,4 @@
-"""The collectives, on local tensors along ONE mesh axis (README, "Layout of the code").
+"""The collectives, on local tensors along ONE mesh axis (docs/architecture.md).
 
 Every function takes the per-rank lengths of the dim it cuts (uneven ``torch.chunk`` pieces
 are normal) and issues through ``shardwise.comm.issue``, which numbers, records and names each

@@ -4,7 +4,7 @@ Every collective shardwise issues is named by a ``CollectiveCall`` (kind, #seq o
 mesh axis, group ranks, bytes). A collective that does not complete in time raises
 ``CollectiveTimeout`` (with the ranks that did not arrive, ``shardwise.comm.stall``); one cut
 short because a peer process went away raises ``PeerLost``; any other backend error is
-re-raised as it came (README, "When something goes wrong"). Pure: no process group is touched here.
+re-raised as it came (docs/failures.md, "When something goes wrong"). Pure: no process group is touched here.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each collective carries a per-group sequence number (an int bumped on this rank,
 communication) and lands in a ring of the last ``RECENT`` calls, which the timeout message
 lists (``recent_calls``). The hot path pays a dict update, a ``try``, a ring-buffer append and
 one ``is None`` test for the pre-issue check; a failure's diagnosis runs only on failure
-(README, "When something goes wrong").
+(docs/failures.md, "When something goes wrong").
 
 The pre-issue check (``set_pre_issue_check``) runs before an eager collective is numbered:
 ``shardwise.debug.check_collectives`` installs one that compares the collective across the

@@ -2,7 +2,7 @@
 
 A recorder sees every collective issued from this process through ``shardwise.comm`` (kind,
 mesh, mesh axis, bytes this rank sends), and the point-to-point sends that other code reports
-with ``record_send``. Recording is how tests count collectives as well as values (README, "Using it").
+with ``record_send``. Recording is how tests count collectives as well as values (docs/concepts.md, "The names").
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The collective timeout: how long a collective may take before it fails with a message.
 
 One policy for the whole process: ``set_collective_timeout``, else
-``$SHARDWISE_COLLECTIVE_TIMEOUT``, else ``DEFAULT_COLLECTIVE_TIMEOUT_S`` (README, "When something
-goes wrong"). ``shardwise.core.mesh`` reads it when it creates process groups, so this module
+``$SHARDWISE_COLLECTIVE_TIMEOUT``, else ``DEFAULT_COLLECTIVE_TIMEOUT_S`` (docs/failures.md, "The
+collective timeout"). ``shardwise.core.mesh`` reads it when it creates process groups, so this module
 imports nothing of shardwise: the mesh sits below the rest of comm, and the timeout below it.
 
 Groups that exist before the timeout is set are found without asking the mesh: every group

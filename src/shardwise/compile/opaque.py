@@ -1,6 +1,6 @@
 """torch.compile of DTensor programs: what Dynamo and AOTAutograd need from shardwise.
 
-How a compiled DTensor program is built (the README's "Compiling" section has the user view):
+How a compiled DTensor program is built (docs/parallelism.md, "Compiling: torch.compile", has the user view):
 
 1. Dynamo captures the Python program. A DTensor is a traceable wrapper subclass: it flattens
    to its block plus its ``DTensorSpec`` (``DTensor.__tensor_flatten__``), and guards compare

@@ -60,7 +60,7 @@ __all__ = ["explain", "Explanation", "OpEntry", "Strategy", "CollectiveEntry"]
 @dataclass
 class CollectiveEntry:
     """One collective: kind, mesh axis, bytes this rank sent, module, phase; for an expert-parallel
-    all_to_all (token dispatch and combine, README "Mixture of experts and expert parallelism")
+    all_to_all (token dispatch and combine, docs/parallelism.md, "Mixture of experts and expert parallelism")
     the bytes sent to each peer of the axis, this rank's own entry 0."""
 
     kind: str

@@ -1,4 +1,4 @@
-"""The op dispatcher: five steps for every ATen op on DTensors (README, "Ordinary PyTorch code on DTensors").
+"""The op dispatcher: five steps for every ATen op on DTensors (docs/concepts.md, "Ordinary PyTorch code on DTensors").
 
 1. intercept (``DTensor.__torch_dispatch__`` calls ``dispatch``);
 2. unpack: DTensor arguments -> specs (the cache key) and local blocks (every walk over the

@@ -1,6 +1,6 @@
 """How messages show an op call: ``aten.add.Tensor(f32[8@dp,4], f32[8,4]) on mesh(dp=4)``.
 
-Every error of the dispatcher and the propagation names the call in this form (README,
+Every error of the dispatcher and the propagation names the call in this form (docs/concepts.md,
 "Ordinary PyTorch code on DTensors"): DTensors as their layout, plain tensors as dtype and
 shape, other arguments as ``repr``.
 """

@@ -2,7 +2,7 @@
 
 ``shardwise.tensor.dtensor`` is built on dispatch (``DTensor.__torch_dispatch__`` calls
 ``dispatch``), and dispatch wraps op results in DTensors. So that the import arrow points one
-way only (README, "Layout of the code"), dispatch never imports the tensor layer: ``tensor/dtensor.py``
+way only (docs/architecture.md), dispatch never imports the tensor layer: ``tensor/dtensor.py``
 calls ``bind_tensor_class`` right after defining the class, before anything can dispatch an op.
 Handlers read ``tensor_class.DTensor`` (an attribute read, no import statement per call).
 """

@@ -9,7 +9,7 @@ the chattiest parallelism gets the fastest links), plus flattened axes used by t
 * ``dp_shard_cp`` = dp_shard x cp: the ranks FSDP shards parameters over;
 * ``dp_cp`` = dp_replicate x dp_shard x cp: the ranks gradients and the loss are reduced over.
 
-Expert parallelism borrows its ranks from dp_shard x cp (README, "Expert parallelism"): with
+Expert parallelism borrows its ranks from dp_shard x cp (docs/parallelism.md, "Mixture of experts and expert parallelism"): with
 ep > 1 the dp_shard axis is built as two axes, ``dp_shard_mod_ep`` (outer, kept even when it
 is 1: fully_shard shards the experts over it) and ``dp_shard_in_ep`` (inner), and ``dp_shard``
 becomes their flattening, so every axis above keeps its name and its ranks. Then

@@ -18,7 +18,7 @@ rank, from the simulation) and a ``Hardware`` profile:
 * expert parallelism (``ep``, borrowed from dp_shard x cp): the token dispatch and combine
   all_to_alls on the ep axis are priced like any collective (``Collective.ALL_TO_ALL``) and sit
   on the critical path; the experts' FSDP traffic on ``dp_shard_mod_ep`` overlaps as dp_shard's
-  does. The simulation assumes balanced routing (README, "Simulate a job and plan a layout");
+  does. The simulation assumes balanced routing (docs/tools.md, "Expert parallelism in the simulation");
 * a pipeline (1F1B, one microbatch per stage by default) idles ``pp - 1`` microbatch slots of
   ``microbatches + pp - 1``: compute is multiplied by ``(microbatches + pp - 1) / microbatches``.
 

@@ -1,7 +1,7 @@
 """The least communication a redistribute needs (pure): a reported figure, not a target.
 
 ``benchmarks/redistribute.py`` and ``benchmarks/plan_bound_census.py`` print each plan's bytes
-against these bounds; the planner chooses by predicted time (``planner.py``), and README, "The
+against these bounds; the planner chooses by predicted time (``planner.py``), and docs/tools.md, "The
 redistribute planner", shows why it no longer optimizes for them. Ranks are numbered by their
 mesh coordinate, row-major. A rank's *source block* is the box of the tensor its source
 layout gives it, its *target block* the box the target layout asks for.

@@ -29,7 +29,7 @@ with ``shardwise.cost.use_hardware``). Two kinds of candidate are weighed:
   the same op stays unreduced (each rank keeps its own contribution) and the other axes are
   planned as a transition of their own, run side by side in every slice of the kept axes.
 
-The fastest predicted plan wins, ties to the axis-by-axis one. README, "The redistribute
+The fastest predicted plan wins, ties to the axis-by-axis one. docs/tools.md, "The redistribute
 planner", has the ablation that decided which candidates to keep: reduce-forward (two
 all_to_alls reducing each element at a consumer) and the byte lower bound as the planner's
 target were removed, being slower measured on gloo and predicted on h100; ``bound.py`` keeps
@@ -174,7 +174,7 @@ _FREE = (StepKind.LOCAL_CHUNK, StepKind.PARTITION, StepKind.RELABEL, StepKind.RE
 # 64 ranks, minutes at 1,024), while axis-by-axis steps are priced in time independent of it.
 EXCHANGE_MAX_RANKS = 32
 # An exchange also packs and unpacks its runs on the host (a schedule of boxes, one copy per
-# run): fitted on gloo over small blocks (README, "The redistribute planner"), one collective latency.
+# run): fitted on gloo over small blocks (docs/tools.md, "Ablation"), one collective latency.
 EXCHANGE_HOST_LATENCIES = 1
 
 

@@ -266,7 +266,7 @@ class DTensor(torch.Tensor):
     # A DTensor is traced as its block plus its spec: the spec (mesh by identity, placements,
     # global shape, stride and dtype) is the hashable context that guards compare, and the
     # dispatcher runs at trace time on fake blocks, so its collectives become graph nodes
-    # (see comm/collectives.py). README.md, "Compiling: torch.compile", describes the path.
+    # (see comm/collectives.py). docs/parallelism.md, "Compiling: torch.compile", describes the path.
     def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:
         return ["_local_tensor"], self._spec
 
@@ -313,7 +313,7 @@ def wrap_block(local_tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return self
 
 
-# The layers below build DTensors without importing this module (README, "Layout of the code").
+# The layers below build DTensors without importing this module (docs/architecture.md).
 bind_tensor_class(DTensor, wrap_block)
 layout_functions.bind_tensor_class(DTensor)
 
@@ -387,8 +387,8 @@ def _keep_grad_layout(leaf: DTensor) -> None:
     exception: where the leaf is Replicate, a Partial gradient stays pending (every rank's block
     has the leaf's shape; the reduction is deferred to whoever needs the value, as in torch, so
     data parallelism and gradient accumulation reduce it once). A Partial leaf's gradient is
-    Replicate there (the gradient of a pending sum is the whole gradient). The README's API
-    table states this contract.
+    Replicate there (the gradient of a pending sum is the whole gradient). The table of names
+    in docs/concepts.md states this contract.
 
     Registered once per leaf. The hook holds the layout, not the leaf (a weak reference would
     forbid ``torch.utils.swap_tensors``, which ``module.to_empty`` uses).

@@ -65,7 +65,7 @@ class JobConfig:
             shards each sequence over the cp ranks (ring attention, load-balanced layout).
         pp: pipeline-parallel degree: the blocks are split into stages (``pipeline_split.py``).
         ep: expert-parallel degree: the routed experts are split over ep of the dp_shard x cp ranks,
-            tokens sent to their experts by all_to_all (README, "Expert parallelism").
+            tokens sent to their experts by all_to_all (docs/parallelism.md, "Mixture of experts and expert parallelism").
         pp_schedule: the pipeline schedule: gpipe, 1f1b or interleaved_1f1b (two stages per rank).
         pp_microbatches: microbatches per step through the pipeline (None: ``pp``).
         sequence_parallel: shard norms and residuals along the sequence over the tp axis.

@@ -5,7 +5,7 @@
    dicts keyed by module path. Parameters become DTensors sharded over tp.
    Expert parallelism over the "ep" axis (``ModelFamily.expert_parallel``): the routed
    experts' weights become DTensors sharded over the experts, tokens travel to them by
-   all_to_all; with tp each expert is also split over "tp" (README, "Expert parallelism").
+   all_to_all; with tp each expert is also split over "tp" (docs/parallelism.md, "Mixture of experts and expert parallelism").
 2. Activation checkpointing per block (``ModelFamily.blocks``: recompute its activations in
    backward), then, with ``--compile``, ``torch.compile`` per block.
 3. Data parallelism over the dp axes, chosen from the degrees as torchtitan does:
@@ -29,7 +29,7 @@ then gives each rank storage for its own blocks (``to_empty``) and initializes t
 (``init_weights``, layout-independent random numbers): no rank ever holds more than its shards,
 and every layout starts from the weights of the single-device run with the same seed.
 ``build_stages`` does the same for this rank's pipeline stages. Nothing here names a model:
-families are described in README, "Adding a model family".
+families are described in docs/trainer.md, "Adding a model family".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Model families: what the trainer needs to know about a model, registered by name.
 
-The trainer never names a model (README, "Adding a model family"). A family is one folder under
+The trainer never names a model (docs/trainer.md, "Adding a model family"). A family is one folder under
 ``shardwise/train/models/`` whose ``__init__`` builds a ``ModelFamily`` and calls
 ``register_family``; ``get_family(name)`` finds it (``shardwise.train`` imports
 ``shardwise.train.models``, so the built-in families are registered first). The family holds everything

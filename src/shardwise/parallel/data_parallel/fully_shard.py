@@ -63,8 +63,8 @@ class FSDPModule:
         """Divide this module's summed gradients by ``factor`` (default: the data-parallel ranks).
 
         For parameters whose local gradient already sums other ranks' contributions: expert
-        weights under expert parallelism take the number of all data-parallel ranks (README,
-        "Expert parallelism"), as torch's FSDP2 method of the same name.
+        weights under expert parallelism take the number of all data-parallel ranks (docs/parallelism.md,
+        "Mixture of experts and expert parallelism"), as torch's FSDP2 method of the same name.
         """
         state_of(self).group.set_divide_factor(factor)
 

@@ -45,7 +45,7 @@ class ParamGroup:
     def set_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel ranks' count.
 
-        Expert parallelism needs it (README, "Expert parallelism"): an expert's gradient on its
+        Expert parallelism needs it (docs/parallelism.md, "Mixture of experts and expert parallelism"): an expert's gradient on its
         owner already sums the ep peers' tokens, so it is divided by every data-parallel rank
         (ep ones included) to give the mean that dense gradients get from averaging.
         """

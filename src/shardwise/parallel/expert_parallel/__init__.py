@@ -3,7 +3,7 @@
 ``ExpertParallel`` (``style.py``) shards a stacked-experts module and installs the dispatch and
 combine around it; ``TensorParallel`` and ``ExpertTensorParallel`` (``tensor_parallel.py``) split
 each expert over tp, alone or with ep; ``dispatch.py`` is the pure arithmetic of where the rows go;
-``all_to_all.py`` the differentiable exchange. README, "Expert parallelism".
+``all_to_all.py`` the differentiable exchange. docs/parallelism.md, "Mixture of experts and expert parallelism".
 """
 
 from shardwise.parallel.expert_parallel.all_to_all import all_to_all_rows

@@ -9,8 +9,8 @@ need them by expert, then by sender: ``regroup`` is that permutation.
 
 A simulated step (``--simulate``, meta tensors) has no routing to read: ``assumed_exchange``
 gives the counts from the shapes alone, every rank routing alike, with balanced experts or the
-busiest expert at a given factor of the mean (``assumed_routing``; README, "Simulate a job and
-plan a layout").
+busiest expert at a given factor of the mean (``assumed_routing``; docs/tools.md, "Expert parallelism
+in the simulation").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ experts along dim 0) keeps its single-device code. This style:
 
 1. shards every parameter ``Shard(0)`` over the 1-D ep mesh: rank s holds experts
    ``s*L .. s*L+L-1`` (L = experts / ep) as DTensors (FSDP then shards them further over the
-   ranks that hold the same experts; README, "Expert parallelism");
+   ranks that hold the same experts; docs/parallelism.md, "Mixture of experts and expert parallelism");
 2. before the module runs (dispatch): exchanges the tokens-per-expert counts (one all_to_all
    of ``experts`` integers), reads them and the local counts to the host in one copy (the
    layer's only host synchronization), sends every row to the rank holding its expert (one

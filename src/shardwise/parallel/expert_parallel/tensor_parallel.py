@@ -6,7 +6,7 @@ stream on each tp rank): ``w1`` and ``w3`` [experts, hidden, dim] are sharded al
 (``Shard(1)``), ``w2`` [experts, dim, hidden] too (``Shard(2)``), so each tp rank computes
 its slice of every expert's hidden units and a partial sum of its output, summed over tp by
 one all_reduce (Megatron's pairing, per expert). In backward the rows' gradient is summed
-over tp the same way. README, "Expert parallelism".
+over tp the same way. docs/parallelism.md, "Mixture of experts and expert parallelism".
 """
 
 from __future__ import annotations

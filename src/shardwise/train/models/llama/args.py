@@ -96,13 +96,13 @@ CONFIGS: dict[str, ModelArgs] = {
 }
 
 # What each config is for, shown by --help next to its size. Sizes are never written by hand:
-# the CLI computes them from the shapes (a test keeps hand-written ones out). The speed is
-# measured: ``python -m shardwise.train --config debug --steps 10`` with one torch thread on a
-# shared x86 server core, 0.79-0.80 s per step at the default 8 x 128 tokens.
+# the CLI computes them from the shapes (a test keeps hand-written ones out). No speed is
+# quoted: it depends on the core and its load (``python -m shardwise.train --config debug
+# --steps 10`` prints each step's time).
 CONFIG_NOTES: dict[str, str] = {
     "tiny": "the parity tests' model",
     "tiny4": "tiny with four blocks, for the pipeline parity tests",
-    "debug": "learns on a CPU, about 0.8 s per step on one core at the default batch",
+    "debug": "learns on a CPU: one core is enough at the default batch",
     "small": "for a GPU",
     "llama3_8b": "Llama 3 8B shapes, GPUs only",
 }

@@ -3,7 +3,7 @@ decoder), the named configs, and what follows from the shapes alone.
 
 Pure arithmetic, no model is built: parameter counts (all of them, and the active ones a token
 runs through, which set the FLOPs), and the checks of the shapes against the parallel degrees
-(attention heads over ``--tp`` as Llama's, experts over ``--ep``). README, "Mixture of experts".
+(attention heads over ``--tp`` as Llama's, experts over ``--ep``). docs/parallelism.md, "Mixture of experts and expert parallelism".
 """
 
 from __future__ import annotations

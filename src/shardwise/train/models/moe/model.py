@@ -1,4 +1,4 @@
-"""A mixture-of-experts decoder, written for one device (README, "Mixture of experts").
+"""A mixture-of-experts decoder, written for one device (docs/parallelism.md, "Mixture of experts and expert parallelism").
 
 Llama's decoder (``shardwise.train.models.llama.model``: its attention, norms, rotary table and
 dense blocks, imported, not copied) whose feed-forward is, from block ``n_dense_layers`` on,

@@ -5,7 +5,7 @@ optimizer step.
 
 The generic steps after them (activation checkpointing -> compile -> FSDP/HSDP, the experts
 sharded over the ranks that hold the same experts) are ``shardwise.train.parallelize``'s.
-README, "Mixture of experts".
+docs/parallelism.md, "Mixture of experts and expert parallelism".
 """
 
 from __future__ import annotations
