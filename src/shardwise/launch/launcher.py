@@ -6,6 +6,12 @@ the workers of a launcher) or starts ``nproc`` copies of the current program (a 
 the same program just runs. ``python -m shardwise.launch --nproc N script.py`` does the same
 for any script (see ``main``).
 
+On Linux the workers are forked from the launcher, which has imported torch (and whatever the
+program imported before calling the launcher), so a worker starts in milliseconds instead of
+paying 1.5-2 CPU-seconds of imports; each still runs the program from the top as ``__main__``
+with one intra-op thread, as a fresh interpreter would. ``SHARDWISE_LAUNCH_START_METHOD=spawn``
+starts fresh interpreters instead (the default elsewhere).
+
 A job fails whole and fast. Each worker runs under ``shardwise.launch.worker``: a rank that fails
 reports once and exits at once (no barrier on the way out), ranks whose collective it cut short
 wait silently, and the elastic agent (polling every 0.2 s) stops them. The launcher then prints
@@ -17,18 +23,21 @@ was and the launcher exits with status 130, saying nothing more.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import os
 import signal
 import sys
+import traceback
 import uuid
 from typing import Callable, NoReturn, Sequence
 
-from shardwise.launch.worker import REPORT_KEY, close_process_group, run_worker, under_launcher
+from shardwise.launch.worker import LAUNCHER_PID_ENV, REPORT_KEY, close_process_group, run_worker, under_launcher
 
 __all__ = ["under_launcher", "launch", "close_process_group", "main_or_launch", "main", "USAGE"]
 
+START_METHOD_ENV = "SHARDWISE_LAUNCH_START_METHOD"
 _SHUTDOWN_TIMEOUT_S = 5  # SIGTERM to SIGKILL for a worker that does not stop
 _MONITOR_INTERVAL_S = 0.2
 
@@ -59,13 +68,17 @@ def launch(python_args: Sequence[str], nproc: int, quiet_codes: tuple[int, ...] 
     # Each worker is single-threaded: 4 processes share 2 cores on small machines.
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers' launching process, however started
     try:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import elastic_launch
 
         _quiet_agent_logs()
-        elastic_launch(_config(nproc), sys.executable)("-u", "-c", _BOOTSTRAP, *python_args)
+        if _start_method() is StartMethod.FORK:
+            elastic_launch(_config(nproc, "fork"), run_forked)(*python_args)
+        else:
+            elastic_launch(_config(nproc, "spawn"), sys.executable)("-u", "-c", _BOOTSTRAP, *python_args)
     except ChildFailedError as err:
         return _report_failure(err.failures, nproc, quiet_codes)
     except (KeyboardInterrupt, SignalException) as err:
@@ -78,7 +91,94 @@ def launch(python_args: Sequence[str], nproc: int, quiet_codes: tuple[int, ...] 
     return 0
 
 
-def _config(nproc: int):
+class StartMethod(enum.Enum):
+    """How the launcher starts its workers."""
+
+    FORK = "fork"  # a copy of this process: torch and the program's imports are already loaded
+    SPAWN = "spawn"  # a fresh interpreter per worker (importing torch costs each 1.5-2 CPU-seconds)
+
+
+def _start_method() -> StartMethod:
+    """Fork where the platform has it (Linux), else spawn; ``SHARDWISE_LAUNCH_START_METHOD``
+    chooses (``spawn`` gives every worker a fresh interpreter, as torchrun does)."""
+    chosen = os.environ.get(START_METHOD_ENV, "")
+    if chosen:
+        return StartMethod(chosen)
+    return StartMethod.FORK if sys.platform.startswith("linux") else StartMethod.SPAWN
+
+
+def run_forked(*python_args: str) -> int:
+    """A forked worker's entry point: run the program as ``python *python_args`` would.
+
+    The agent waits for a forked worker to RETURN (its return value), so a program ending with
+    ``os._exit(0)`` (``run_worker`` does, to skip interpreter teardown) would leave it waiting
+    forever. The program therefore runs in a second fork, and this process only mirrors its
+    end: it forwards SIGINT and SIGTERM to it, returns 0 when it exits 0, and otherwise ends
+    with its status or signal, so the agent sees what the program did."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # read when the launcher imported torch
+    pid = os.fork()
+    if pid == 0:
+        _run_program_and_exit(list(python_args))
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda received, frame: os.kill(pid, received))
+    _, wait_status = os.waitpid(pid, 0)  # retried after each forwarded signal (PEP 475)
+    if os.WIFSIGNALED(wait_status):
+        signum = os.WTERMSIG(wait_status)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # their action cannot be changed
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # end as it ended: the agent reports the signal
+        os._exit(128 + signum)  # a signal whose default action does not end a process
+    status = os.waitstatus_to_exitcode(wait_status)
+    if status:
+        os._exit(status)
+    return 0
+
+
+def _run_program_and_exit(program: list[str]) -> NoReturn:
+    """The program's process: stopped with its parent, unbuffered like ``python -u``, signals as
+    ``_BOOTSTRAP`` sets them; its exit status is the program's (a traceback first if it raised
+    before ``run_worker`` took over)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(write_through=True)
+    try:
+        _run_program(program)
+        status = 0
+    except SystemExit as stop:
+        status = _exit_status(stop)
+    except BaseException:  # noqa: BLE001 - as python would: the traceback, status 1
+        traceback.print_exc()
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (the agent's last resort is SIGKILL)."""
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(128 + int(signal.SIGKILL))
+
+
+def _exit_status(stop: SystemExit) -> int:
+    if stop.code is None or isinstance(stop.code, int):
+        return int(stop.code or 0)
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
+def _config(nproc: int, start_method: str):
     from torch.distributed.launcher.api import LaunchConfig
 
     return LaunchConfig(
@@ -90,7 +190,7 @@ def _config(nproc: int):
         rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone
         max_restarts=0,
         monitor_interval=_MONITOR_INTERVAL_S,
-        start_method="spawn",
+        start_method=start_method,
         shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
     )
 
@@ -99,7 +199,7 @@ def _quiet_agent_logs() -> None:
     """The agent logs every non-zero exit and every signal it forwards; the launcher reports
     the one failure that matters instead."""
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
-                 "torch.distributed.elastic.multiprocessing.errors"):
+                 "torch.distributed.elastic.multiprocessing.errors", "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

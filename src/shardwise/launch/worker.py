@@ -51,6 +51,7 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: what a shell reports for Ctrl-C
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 PEER_LOST_WAIT_S = 5.0  # a launcher stops the survivors of a failure well within this
 REPORT_KEY = "shardwise"  # our part of the torchelastic error file
+LAUNCHER_PID_ENV = "SHARDWISE_LAUNCHER_PID"  # set by shardwise.launch for its workers
 # What init_process_group's env:// rendezvous needs; torchrun, torch's elastic agent and
 # shardwise.launch.launcher set them all (and more: LOCAL_RANK, TORCHELASTIC_RUN_ID).
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from shardwise.launch.worker import LAUNCHER_PID_ENV
+
 __all__ = ["LOCK_FILE", "Holder", "RunLockError", "DirectoryInUse", "RunLock", "live_holder", "check_not_in_use", "hold_for_run"]
 
 LOCK_FILE = ".lock"
@@ -61,7 +63,8 @@ class Holder:
 
     def is_this_job(self) -> bool:
         """This process, its launching process, or a rank of the same launcher run."""
-        here = self.host == socket.gethostname() and self.pid in (os.getpid(), os.getppid())
+        launcher = int(os.environ.get(LAUNCHER_PID_ENV) or -1)
+        here = self.host == socket.gethostname() and self.pid in (os.getpid(), os.getppid(), launcher)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         return here or (self.run_id is not None and self.run_id == run_id)
 
