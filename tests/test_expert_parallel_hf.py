@@ -48,41 +48,46 @@ def _batches(groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randn(groups, *BATCH, VOCAB, generator=generator)
 
 
-LAYOUTS = {  # (model family, experts implementation, mesh shape, axis names)
-    "mixtral-ep4": ("mixtral", None, (4,), ("ep",)),  # transformers' default: grouped_mm
-    "qwen3_moe-ep4-eager": ("qwen3_moe", "eager", (4,), ("ep",)),
-    "mixtral-dp2-ep2": ("mixtral", None, (2, 2), ("dp", "ep")),  # each rank its own batch, experts over 2
+LAYOUTS = {  # (model family, experts implementation, ep degree, with FSDP)
+    "mixtral-ep4": ("mixtral", None, 4, False),  # transformers' default experts: grouped_mm
+    "qwen3_moe-ep4-eager": ("qwen3_moe", "eager", 4, False),
+    # FSDP over all 4 ranks, experts over ep=2 and FSDP-sharded over the 2 holding the same ones:
+    # the trainer's rule (shardwise.train.parallelize.apply_fsdp) on a model it did not build.
+    "mixtral-fsdp4-ep2": ("mixtral", None, 2, True),
 }
 
 
 def _expert_parallel_model(layout: str) -> dict:
-    """On every rank: its batch's logits, every parameter's gradient (expert ones gathered over
-    ep) and the collectives of forward and backward, under the module plan."""
-    import shardwise as sw
+    """On every rank: its batch's logits, every parameter's gradient (DTensor ones gathered
+    whole) and the all_to_alls of forward and backward, under the module plan."""
     from shardwise.debug import CommDebugMode
-    from shardwise.parallel import TopKExpertParallel, parallelize_module
+    from shardwise.parallel import ParallelDims, TopKExpertParallel, parallelize_module
     from shardwise.tensor.dtensor import DTensor
+    from shardwise.train.parallelize import apply_fsdp, expert_fsdp
 
-    family, implementation, mesh_shape, names = LAYOUTS[layout]
-    mesh = sw.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    family, implementation, ep, fsdp = LAYOUTS[layout]
+    dims = ParallelDims(dp_shard=RANKS, ep=ep, world_size=RANKS)
+    world = dims.build_mesh("cpu")
     model = _model(family, implementation=implementation)
-    parallelize_module(model, mesh["ep"], {PLAN_KEY: TopKExpertParallel()})
+    parallelize_module(model, world["ep"], {PLAN_KEY: TopKExpertParallel()})
+    sharded = {name for name, p in model.named_parameters() if isinstance(p, DTensor)}
+    if fsdp:
+        apply_fsdp(model, list(model.model.layers), world["dp_shard"], False, experts=expert_fsdp(dims, world))
     rank = torch.distributed.get_rank()
     ids, probe = _batches(RANKS)
     with CommDebugMode() as forward:
         logits = model(ids[rank]).logits
     with CommDebugMode() as backward:
         (logits * probe[rank]).sum().backward()
-    sharded = {name for name, p in model.named_parameters() if isinstance(p, DTensor)}
-    grads = {name: p.grad.full_tensor() if name in sharded else p.grad for name, p in model.named_parameters()}
-    return {"logits": logits.detach(), "grads": grads, "sharded": sharded, "ep_rank": mesh["ep"].get_local_rank(),
-            "comms": [{str(k): v for k, v in c.get_comm_counts().items() if v} for c in (forward, backward)]}
+    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for name, p in model.named_parameters()}
+    return {"logits": logits.detach(), "grads": grads, "sharded": sharded, "ep_rank": world["ep"].get_local_rank(),
+            "all_to_all": [c.get_comm_counts().get("all_to_all", 0) for c in (forward, backward)]}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_hf_moe_model_under_a_module_plan_equals_one_process(dist, layout):
     per_rank = dist.run(RANKS, _expert_parallel_model, layout, timeout=180)
-    family, implementation, _, _ = LAYOUTS[layout]
+    family, implementation, _, fsdp = LAYOUTS[layout]
     model = _model(family, implementation=implementation)
     ids, probe = _batches(RANKS)
     logits = model(ids.flatten(0, 1)).logits.view(*probe.shape)  # every rank's sequences in one batch
@@ -93,13 +98,16 @@ def test_hf_moe_model_under_a_module_plan_equals_one_process(dist, layout):
     for rank, got in enumerate(per_rank):
         _assert_close(got["logits"], logits[rank].detach(), f"{layout} rank {rank}'s logits")
         # Per MoE layer, forward: counts, dispatch, combine; backward: the two row exchanges.
-        assert got["comms"] == [{"all_to_all": 3 * layers}, {"all_to_all": 2 * layers}], got["comms"]
+        assert got["all_to_all"] == [3 * layers, 2 * layers], got["all_to_all"]
     for name, param in model.named_parameters():
+        if fsdp:  # every gradient averaged over the 4 data-parallel ranks, whole on each
+            for rank, got in enumerate(per_rank):
+                _assert_close(got["grads"][name] * RANKS, param.grad, f"{layout} rank {rank}'s {name} gradient")
+            continue
         # A plain parameter's gradient is this rank's tokens' share; an expert's, gathered over
         # ep, already sums its ep group's tokens: one rank per group counts it.
         counted = [r for r in per_rank if name not in r["sharded"] or r["ep_rank"] == 0]
-        got = sum(r["grads"][name] for r in counted)
-        _assert_close(got, param.grad, f"{layout} {name}'s gradient")
+        _assert_close(sum(r["grads"][name] for r in counted), param.grad, f"{layout} {name}'s gradient")
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
