@@ -295,10 +295,10 @@ def _trainer_balancing(argv: list[str], steps: int) -> dict:
                                    ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"]], ids=layout_id)
 def test_load_balancing_under_trainer_ep_layouts_moves_like_one_process(dist, flags):
     """The skewed routing balances out under the trainer's ep layouts (with FSDP, TP, HSDP)
-    exactly as in one process:
-    each step's tokens per expert, summed over the data-parallel ranks, are the one-process
-    counts, and every rank ends with the one-process biases (tp ranks, which count the same
-    tokens, are not summed twice: ``update_expert_bias`` reduces over the loss mesh only)."""
+    exactly as in one process: each step's tokens per expert, summed over the data-parallel
+    ranks, are the one-process counts, and every rank ends with the one-process biases (tp
+    ranks, which count the same tokens, are not summed twice: ``update_expert_bias`` reduces
+    over the loss mesh only)."""
     steps = 10
     per_rank = dist.run(4, _trainer_balancing, MOE + ["--nproc", "4", *flags], steps, timeout=180)
     want = _trainer_balancing(MOE, steps)

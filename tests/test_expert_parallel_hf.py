@@ -1,6 +1,7 @@
 """Hugging Face transformers' MoE models made expert-parallel by a module plan
 (``TopKExpertParallel``): logits and every parameter's gradient equal the same model run in one
-process; a plan that cannot split the experts is refused on every rank before any collective.
+process; a plan that cannot split the experts (6 over 4 ranks, a ModuleList) is refused on every rank
+before any collective.
 
 transformers is a declared test dependency (pyproject's ``test`` extra, which CI installs): these
 tests import it and fail without it rather than skip. Models are built from small configs with a
@@ -10,6 +11,7 @@ fixed seed on every rank; nothing is downloaded. docs/expert_parallel.md.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -118,23 +120,33 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
 
 
-def _misfit_plan() -> tuple[str, int]:
-    """On every rank: the plan on 6 experts over 4 ranks; the error and the collectives issued."""
+def _misfit_plan(case: str) -> tuple[str, int]:
+    """On every rank: the plan on experts it cannot split over 4 ranks (6 experts, or a ModuleList
+    of per-expert MLPs as transformers 4 held them); the error and the collectives issued."""
     import shardwise as sw
     from shardwise.debug import CommDebugMode
     from shardwise.parallel import TopKExpertParallel, parallelize_module
 
     mesh = sw.init_device_mesh("cpu", (RANKS,), mesh_dim_names=("ep",))
-    model = _model("mixtral", experts=6)
+    model = _model("mixtral", experts=6 if case == "six" else 8)
+    if case == "module_list":
+        for layer in model.model.layers:
+            layer.mlp.experts = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(8))
     with CommDebugMode() as comms, pytest.raises(ValueError) as refused:
         parallelize_module(model, mesh, {PLAN_KEY: TopKExpertParallel()})
     untouched = not any(hasattr(p, "device_mesh") for p in model.parameters())
     return str(refused.value), comms.get_total_counts() + (0 if untouched else 1)
 
 
-def test_experts_that_do_not_divide_the_mesh_are_refused_on_every_rank_before_any_collective(dist):
-    per_rank = dist.run(RANKS, _misfit_plan, timeout=180)
-    for message, collectives in per_rank:
-        assert "plan['model.layers.*.mlp.experts'] on module 'model.layers.0.mlp.experts'" in message, message
-        assert "6 experts cannot be split evenly over the 4 ranks" in message, message
+@pytest.mark.parametrize("case,message", [
+    ("six", r"\(MixtralExperts\(\)\): TopKExpertParallel: 6 experts cannot be split evenly over the 4 ranks"),
+    ("module_list", r"\(ModuleList\(\)\): TopKExpertParallel needs the experts stacked in the module's own "
+                    r"parameters \[experts, ...\]; it holds none \(16 in submodules"),
+])
+def test_experts_the_plan_cannot_split_are_refused_on_every_rank_before_any_collective(dist, case, message):
+    per_rank = dist.run(RANKS, _misfit_plan, case, timeout=180)
+    for message_got, collectives in per_rank:
+        assert message_got.startswith("parallelize_module: plan['model.layers.*.mlp.experts'] on module "
+                                      "'model.layers.0.mlp.experts'"), message_got
+        assert re.search(message, message_got), message_got
         assert collectives == 0, "parameters were distributed or collectives issued before the refusal"
