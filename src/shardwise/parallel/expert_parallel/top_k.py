@@ -142,6 +142,7 @@ def _shadow_local(module: nn.Module, local_experts: int) -> None:
     """For the call: each DTensor parameter reads as this rank's block, ``num_experts`` as the
     local count. Instance attributes take precedence over ``nn.Module.__getattr__``'s lookup of
     parameters, so ``_parameters`` (state dicts, optimizers, FSDP) is untouched."""
+    _unshadow(module)  # a call whose forward hook never ran (a recomputation stopped early) left its shadows
     shadows = {name: p.to_local() for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
     if isinstance(getattr(module, COUNT_ATTRIBUTE, None), int):
         shadows[COUNT_ATTRIBUTE] = local_experts
