@@ -93,7 +93,7 @@ class TopKExpertParallel(ParallelStyle):
 def _install_hooks(module: nn.Module, mesh: DeviceMesh) -> None:
     """Dispatch before ``module``, combine after; the local view of it in between."""
     state: dict[str, _Call] = {}
-    experts = next(module.parameters()).shape[0]
+    experts = next(module.parameters(recurse=False)).shape[0]  # the global count: the parameters are DTensors
 
     def before(mod: nn.Module, inputs: tuple) -> tuple:
         tokens, index, weights = _routing_inputs(mod, inputs)
