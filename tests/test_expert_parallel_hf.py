@@ -1,7 +1,7 @@
 """Hugging Face transformers' MoE models made expert-parallel by a module plan
 (``TopKExpertParallel``): logits and every parameter's gradient equal the same model run in one
-process; a plan that cannot split the experts (6 over 4 ranks, a ModuleList) is refused on every rank
-before any collective.
+process; a plan that cannot split the experts (6 over 4 ranks, a ModuleList) is refused on every
+rank before any collective.
 
 transformers is a declared test dependency (pyproject's ``test`` extra, which CI installs): these
 tests import it and fail without it rather than skip. Models are built from small configs with a
