@@ -114,6 +114,9 @@ SLOW_TESTS = (
     "tests/test_autograd.py::test_random_chains_give_single_device_gradients",  # 6 s (hypothesis)
     "tests/test_compile.py::test_redistribute_onto_another_mesh_compiles_to_one_graph_with_eager_values",  # 4.6 s
     "tests/test_inplace.py::test_out_argument_that_cannot_keep_its_layout_raises_on_every_rank",  # 3.8 s
+    # transformers imported in 4 workers and here, once per session: 12-14 CPU-s for the first of these
+    "tests/test_expert_parallel_hf.py::test_hf_moe_model_under_a_module_plan_equals_one_process",
+    "tests/test_expert_parallel_hf.py::test_experts_the_plan_cannot_split_are_refused_on_every_rank_before_any_collective",
 )
 
 

@@ -259,6 +259,58 @@ def test_load_balancing_bias_under_expert_parallelism_equals_one_process(dist):
         torch.testing.assert_close(bias, layer.expert_bias, rtol=0, atol=1e-6)
 
 
+SKEW = 0.05  # added to experts 0 and 1's bias at the start: they win about 3 in 4 token-choices
+
+
+def _trainer_balancing(argv: list[str], steps: int) -> dict:
+    """On every rank (or alone): the trainer's model for ``argv``, every MoE layer's bias skewed
+    towards experts 0 and 1, then ``steps`` forwards of the trainer's batches, each followed by
+    the family's update as the trainer calls it (``after_optimizer_step`` on the loss mesh). The
+    tokens per expert this rank counted at each step (None on a tp rank after the first: tp ranks
+    route the same tokens) and the biases at the end [layers, experts]."""
+    from shardwise.train import cli
+    from shardwise.train.data import BatchSource, load_corpus
+    from shardwise.train.models.moe.model import moe_layers
+    from shardwise.train.trainer import Runtime, build_model
+
+    job = cli.job_from_argv(argv)
+    runtime = Runtime.create(job)
+    model = build_model(job, runtime)
+    layers = moe_layers(model)
+    for layer in layers:
+        layer.expert_bias[:2] += SKEW
+    data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
+    seen = []
+    for step in range(steps):
+        with torch.no_grad():
+            model(data.batch_at(step)[0])
+        seen.append(torch.stack([layer.tokens_per_expert for layer in layers]).clone())  # [layers, experts]
+        job.model_family().after_optimizer_step(model, runtime.loss_mesh)
+    counts_tokens = not runtime.dims.tp_enabled or runtime.world_mesh["tp"].get_local_rank() == 0
+    return {"seen": torch.stack(seen) if counts_tokens else None,
+            "bias": torch.stack([layer.expert_bias for layer in layers]).clone()}
+
+
+@pytest.mark.parametrize("flags", [["--ep", "2", "--dp-shard", "4"], ["--ep", "2", "--tp", "2"],
+                                   ["--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"]], ids=layout_id)
+def test_load_balancing_under_trainer_ep_layouts_moves_like_one_process(dist, flags):
+    """The skewed routing balances out under the trainer's ep layouts (with FSDP, TP, HSDP)
+    exactly as in one process: each step's tokens per expert, summed over the data-parallel
+    ranks, are the one-process counts, and every rank ends with the one-process biases (tp
+    ranks, which count the same tokens, are not summed twice: ``update_expert_bias`` reduces
+    over the loss mesh only)."""
+    steps = 10
+    per_rank = dist.run(4, _trainer_balancing, MOE + ["--nproc", "4", *flags], steps, timeout=180)
+    want = _trainer_balancing(MOE, steps)
+    seen = sum(r["seen"] for r in per_rank if r["seen"] is not None)  # [steps, layers, experts]
+    assert torch.equal(seen, want["seen"]), (seen.sum(1), want["seen"].sum(1))
+    imbalance = [_imbalance(c.sum(0)) for c in seen]  # busiest expert over the mean, all layers
+    assert imbalance[0] > 2.5 and sum(imbalance[-3:]) / 3 < 0.75 * imbalance[0], imbalance  # batches vary: 3 steps
+    assert float(want["bias"][:, :2].max()) < SKEW - 0.03, want["bias"]  # 1e-2 a step, down for the busiest
+    for rank, got in enumerate(per_rank):
+        torch.testing.assert_close(got["bias"], want["bias"], rtol=0, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+
+
 # ---------------------------------------------------------------------- the trainer's ep layouts
 MOE = with_config(BASE, "tiny_moe") + ["--family", "moe"]
 LAYOUTS = [

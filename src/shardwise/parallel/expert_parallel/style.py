@@ -41,11 +41,11 @@ from shardwise.parallel.expert_parallel.dispatch import (DispatchPlan, note_exch
                                                          simulated_exchange)
 from shardwise.parallel.tensor_parallel.style import ParallelStyle, _check_plain, _shard_parameter, describe_module
 
-__all__ = ["ExpertParallel", "install_dispatch"]
+__all__ = ["ExpertParallel", "install_dispatch", "dispatch_rows", "combine_rows", "InFlight"]
 
 
 @dataclass
-class _InFlight:
+class InFlight:
     """What the combine of the call in progress needs from its dispatch."""
 
     plan: DispatchPlan
@@ -85,23 +85,23 @@ class ExpertParallel(ParallelStyle):
 def install_dispatch(module: nn.Module, mesh: DeviceMesh, ep_axis: int, tp_axis: int | None = None) -> None:
     """The hooks around ``module``: dispatch its rows over ``ep_axis`` of ``mesh`` before it,
     combine them after; with ``tp_axis``, the experts' partial results are summed over it."""
-    state: dict[str, _InFlight] = {}
+    state: dict[str, InFlight] = {}
 
     def before(mod: nn.Module, inputs: tuple) -> tuple:
         rows, counts, *rest = inputs
-        (rows, counts), state["call"] = _dispatch(rows, counts, mesh, ep_axis)
+        (rows, counts), state["call"] = dispatch_rows(rows, counts, mesh, ep_axis)
         rows = copy_to_axis(rows, mesh, tp_axis) if tp_axis is not None else rows
         return (rows, counts, *rest)
 
     def after(mod: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
         out = sum_over_axis(out, mesh, tp_axis) if tp_axis is not None else out
-        return _combine(out, state.pop("call"), mesh, ep_axis)
+        return combine_rows(out, state.pop("call"), mesh, ep_axis)
 
     module.register_forward_pre_hook(before)
     module.register_forward_hook(after)
 
 
-def _dispatch(rows: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh, axis: int) -> tuple[tuple, _InFlight]:
+def dispatch_rows(rows: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh, axis: int) -> tuple[tuple, InFlight]:
     """(rows of this rank's experts sorted by expert, their counts on the host), and the plan."""
     peers, experts = mesh.size(axis), len(counts)
     counts = counts.to(torch.int64)
@@ -118,10 +118,10 @@ def _dispatch(rows: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh, axis: 
     received = all_to_all_rows(rows, plan.send_splits, plan.recv_splits, mesh, axis)  # [sum(recv_splits), dim]
     regroup = plan.regroup.to(rows.device, non_blocking=True)
     local_counts = torch.tensor(plan.expert_rows, dtype=torch.int64)  # on the host: the experts read no device
-    return (received[regroup], local_counts), _InFlight(plan, regroup)
+    return (received[regroup], local_counts), InFlight(plan, regroup)
 
 
-def _combine(out: torch.Tensor, call: _InFlight, mesh: DeviceMesh, axis: int) -> torch.Tensor:
+def combine_rows(out: torch.Tensor, call: InFlight, mesh: DeviceMesh, axis: int) -> torch.Tensor:
     """The experts' output rows back in the by-sender order, then back to their senders."""
     by_sender = torch.empty_like(out).index_copy(0, call.regroup, out)  # [sum(recv_splits), dim]
     return all_to_all_rows(by_sender, call.plan.recv_splits, call.plan.send_splits, mesh, axis)  # [sum(send), dim]
