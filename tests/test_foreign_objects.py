@@ -85,7 +85,8 @@ def _collective_on_a_dtensor():
     (_torch_dtensor_mixed_in, r"aten.mul.Tensor\(.*\): argument #1 is torch.distributed.tensor's DTensor, not "
                               r"shardwise's: convert it with shardwise.interop.from_torch"),
     (_torch_style, r"plan\[''\] is torch.distributed.tensor.parallel's ColwiseParallel, not shardwise's"),
-    (_collective_on_a_dtensor, r"a torch.distributed collective was called on a DTensor \(c10d.allreduce_\): .*"
+    (_collective_on_a_dtensor, r"^Operator c10d.allreduce_.default does not have a sharding strategy registered: a torch.distributed "
+                               r"collective was called on a DTensor \(c10d.allreduce_\)\. .*"
                                r"redistribute.* or call the collective on dtensor.to_local\(\)"),
 ], ids=["placement", "mesh", "dtensor", "style", "dist.all_reduce"])
 def test_a_torch_object_gets_one_error_on_every_rank_naming_it(dist, fn, match):

@@ -416,7 +416,8 @@ _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd
 def _unsupported_message(op: Any, call: str) -> str:
     if getattr(op, "namespace", None) in _COLLECTIVE_NAMESPACES:
         return (
-            f"a torch.distributed collective was called on a DTensor ({call.split('(')[0]}): a DTensor is one "
+            f"Operator {op} does not have a sharding strategy registered: a torch.distributed collective was "
+            f"called on a DTensor ({call.split('(')[0]}). A DTensor is one "
             "logical tensor whose layout implies its communication. Change the layout instead "
             "(dtensor.redistribute(mesh, [Replicate()]) sums a Partial DTensor; dtensor.full_tensor() gives the "
             "whole value), or call the collective on dtensor.to_local() to communicate this rank's block"
