@@ -161,6 +161,8 @@ JOBS_OF = {
         lambda tmp: ([*LAUNCH, str(JOBS / "collective_fault.py")], {"FAULT": "sigint:1:3"}),
     "test_a_rank_killed_without_a_word_is_named":
         lambda tmp: ([*LAUNCH, str(JOBS / "collective_fault.py")], {"FAULT": "kill:1:3"}),
+    "test_a_rank_killed_during_torchs_own_collective_is_named":
+        lambda tmp: ([*LAUNCH[:-1], "4", str(JOBS / "collective_fault.py")], {"FAULT": "kill:1:3", "RAW": "1"}),
     "test_ctrl_c_stops_the_trainer_with_one_line_naming_step_and_checkpoint": _trainer_ctrl_c,
     "test_ctrl_c_under_torchrun_stops_every_worker_with_one_line":
         lambda tmp: ([*TORCHRUN, "-m", "shardwise.launch", str(JOBS / "collective_fault.py")], {"STEPS": "100000"}),
@@ -245,6 +247,18 @@ def test_a_worker_receiving_sigint_alone_ends_the_job_naming_it(job):
 def test_a_rank_killed_without_a_word_is_named(job):
     """SIGKILL (the OOM killer): no report from it; its peers' lost connections are not
     mistaken for the cause."""
+    status, took = job.finish(job.fault_time(), ENDS_WITHIN_S)
+    assert status == 128 + signal.SIGKILL, job.text()
+    assert job.text("err").splitlines()[-1].startswith("FAILED: rank 1 was killed by SIGKILL"), job.text()
+    _no_tracebacks_but(job, rank=None)
+    job.assert_nothing_left()
+
+
+@pytest.mark.e2e
+def test_a_rank_killed_during_torchs_own_collective_is_named(job):
+    """The same SIGKILL while every rank is in torch's own all_reduce (not issued by
+    shardwise.comm, so not classified there), on 4 ranks: the survivors' gloo errors ("Connection
+    reset by peer", "Connection closed by peer") are consequences, whichever arrives first."""
     status, took = job.finish(job.fault_time(), ENDS_WITHIN_S)
     assert status == 128 + signal.SIGKILL, job.text()
     assert job.text("err").splitlines()[-1].startswith("FAILED: rank 1 was killed by SIGKILL"), job.text()

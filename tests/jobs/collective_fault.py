@@ -3,7 +3,8 @@
 Rank 0 prints its argv, then every rank all_reduces a tensor over a 1-D mesh of the world once
 per step, through shardwise.comm as the library does (``$GROUP=pair``: over a mesh of ranks 0
 and 1 only, whose group comes from new_group, while the other ranks idle); rank 0 prints
-``step N`` after each, and an interruption says ``interrupted at step N``. ``$STEPS`` (default
+``step N`` after each, and an interruption says ``interrupted at step N``. ``$RAW=1``: torch.distributed.all_reduce over the world instead (a collective shardwise did not
+issue). ``$STEPS`` (default
 1000) and ``$STEP_S`` (default 0.05 s) pace the run. Run it under a launcher:
 ``python -m shardwise.launch --nproc 2 tests/jobs/collective_fault.py`` or
 ``torchrun --nproc-per-node 2 -m shardwise.launch tests/jobs/collective_fault.py``.
@@ -33,7 +34,9 @@ def main() -> None:
     with interrupt_context(lambda: f"at step {step}"):  # Ctrl-C says where the job was
         for step in range(1, int(os.environ.get("STEPS", "1000")) + 1):
             maybe_fail(rank, step)
-            if mesh.get_coordinate() is not None:
+            if os.environ.get("RAW"):  # torch's own collective, as FSDP hooks or user code issue them
+                torch.distributed.all_reduce(x)
+            elif mesh.get_coordinate() is not None:
                 x = comm.all_reduce(x, mesh, 0, "avg")
             if rank == 0:
                 print(f"step {step}", flush=True)

@@ -182,6 +182,9 @@ def end_with_failure(exc: BaseException) -> NoReturn:
     cause = _find(exc, (CollectiveTimeout, PeerLost))
     if isinstance(cause, PeerLost):
         _await_stop(cause)
+    lost = _peer_gone(exc)  # a collective issued outside shardwise.comm (torch's, a user's)
+    if cause is None and lost is not None:
+        _await_stop(lost)
     if isinstance(exc, KeyboardInterrupt):
         _stop_for_signal(signal.SIGINT)
     if isinstance(cause, CollectiveTimeout):
@@ -207,6 +210,20 @@ def _find(exc: BaseException, types: tuple) -> BaseException | None:
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, types):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _peer_gone(exc: BaseException) -> BaseException | None:
+    """``exc`` or one it was raised from / during whose message says a peer's connection went
+    away (gloo's "Connection reset by peer"...): a consequence of another rank's end."""
+    from shardwise.comm.errors import classify
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if classify(str(exc)) == "peer":
             return exc
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
