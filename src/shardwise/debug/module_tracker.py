@@ -18,6 +18,11 @@ backward runs); a hook on its inputs' gradients marks it inactive (all of them c
 module's backward is done). A module none of whose inputs require grad (an embedding fed token
 ids, the root fed data) stays active until that backward ends. Activation-checkpoint recompute
 runs forward hooks inside backward: those collectives are filed under the module, in backward.
+
+Boundaries (``ModuleTracker(describe=...)``, what ``explain``'s summary shows): on a module's
+first call in each phase, the layouts crossing its edge as its caller sees them: in forward the
+inputs it is given (before its own input hooks) and the outputs it returns (after its output
+hooks); in backward the gradient of its output that arrives first and its inputs' gradients.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -35,7 +40,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Phase", "ModuleInfo", "ModuleTracker", "GLOBAL", "current_phase"]
+__all__ = ["Phase", "ModuleInfo", "Boundary", "ModuleTracker", "GLOBAL", "current_phase"]
 
 GLOBAL = "Global"  # the pseudo-module every collective is filed under
 
@@ -52,6 +57,18 @@ class ModuleInfo:
     fqn: str
     type_name: str
     parameters: dict[str, Any] = field(default_factory=dict)  # name -> DTensorSpec (or placements)
+
+
+@dataclass(slots=True)
+class Boundary:
+    """The layouts crossing a module's edge on its first call in ``phase`` (see the module docstring):
+    ``inputs`` what enters it (forward: its arguments; backward: its output's gradient), ``outputs``
+    what leaves it (forward: its results; backward: its inputs' gradients), None until seen."""
+
+    module: str
+    phase: str  # a ``Phase`` value, as the other records of ``explain`` hold it
+    inputs: list[str]
+    outputs: list[str] | None = None
 
 
 def _graph_task_id() -> int:
@@ -77,8 +94,10 @@ class ModuleTracker:
         >>> tracker.stop()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, describe: Callable[[Any], list[str]] | None = None) -> None:
         self.modules: dict[str, ModuleInfo] = {}  # the modules entered, in order of first entry
+        self.boundaries: dict[tuple[str, Phase], Boundary] = {}  # filled only with ``describe``
+        self._describe = describe  # values -> the layouts of their tensors
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._forward: list[str] = []
         self._backward: Counter[str] = Counter()
@@ -118,6 +137,8 @@ class ModuleTracker:
         if name not in self.modules:
             self.modules[name] = ModuleInfo(name, type(module).__name__, _dtensor_parameters(module))
         self._forward.append(name)
+        if current_phase() is Phase.FORWARD:  # not a recompute inside backward
+            self._cross(name, Phase.FORWARD, args, entering=True)
         if module not in self._post_hooked:
             self._post_hooked[module] = module.register_forward_hook(self._leave, always_call=True)
         inputs = _grad_tensors(args)
@@ -130,6 +151,8 @@ class ModuleTracker:
         name = self._names.get(module)
         if name in self._forward:  # the last entry of that name: the call that is returning
             del self._forward[len(self._forward) - 1 - self._forward[::-1].index(name)]
+        if name is not None:
+            self._cross(name, Phase.FORWARD, output, entering=False)
         outputs = _grad_tensors(output)
         if outputs and torch.is_grad_enabled():
             register_multi_grad_hook(outputs, partial(self._backward_starts, name), mode="any")
@@ -143,10 +166,23 @@ class ModuleTracker:
             self._backward.clear()
             self._backward_task = task
         self._backward[name] += 1
+        self._cross(name, Phase.BACKWARD, grad, entering=True)
 
     def _backward_done(self, name: str, grads: Any) -> None:
         if self._on and self._backward[name] > 0 and self._backward_task == _graph_task_id():
             self._backward[name] -= 1
+            self._cross(name, Phase.BACKWARD, grads, entering=False)
+
+    # ------------------------------------------------------------------ boundaries
+    def _cross(self, name: str, phase: Phase, values: Any, entering: bool) -> None:
+        """Note what enters or leaves ``name`` in ``phase``, on its first call there only."""
+        if self._describe is None:
+            return
+        key = (name, phase)
+        if entering and key not in self.boundaries:
+            self.boundaries[key] = Boundary(name, phase.value, self._describe(values))
+        elif not entering and key in self.boundaries and self.boundaries[key].outputs is None:
+            self.boundaries[key].outputs = self._describe(values)
 
     # ------------------------------------------------------------------ names
     def _name(self, module: nn.Module) -> str:
