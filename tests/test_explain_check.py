@@ -90,6 +90,17 @@ def test_the_summary_renders_columns_and_a_total_per_section():
     assert _recorded_step().render(rich=False, detail=Detail.FULL).splitlines()[1] == "Global"  # the tree
 
 
+def test_a_backward_without_dtensor_ops_still_has_its_section():
+    """Pipeline stage 0 runs its backward on plain tensors and issues nothing then: the backward
+    boundaries place it, so clipping's all_reduce afterwards is the optimizer's."""
+    ex = Explanation(0, ["Net"], [], [CollectiveEntry("all_reduce", "pp", 4, "Global", "forward", None, 3)],
+                     [Boundary("Net", "forward", ["f32[2,8](plain)"], ["f32[2,8](plain)"], 1),
+                      Boundary("Net", "backward", ["f32[2,8](plain)"], [], 2)])
+    forward, backward, optimizer = summarize(ex)
+    assert [line.label for line in backward.lines] == ["Net"] and backward.lines[0].edge() == "f32[2,8](plain) -> -"
+    assert forward.traffic == () and optimizer.traffic == (Traffic("all_reduce", "pp", 1, 4),)
+
+
 def test_detail_is_an_enum_and_old_records_still_summarize():
     with pytest.raises(TypeError, match=r"Detail.SUMMARY or Detail.FULL, not 'full'"):
         explain(detail="full")  # type: ignore[arg-type]

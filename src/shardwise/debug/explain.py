@@ -238,7 +238,7 @@ class explain:
             raise RuntimeError("shardwise.debug.explain() is already active: explain blocks do not nest")
         self.explanation = Explanation(rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         self._order = 0
-        self._tracker = ModuleTracker(describe=_layouts)
+        self._tracker = ModuleTracker(describe=_layouts, clock=self._next)
         self._tracker.start()
         self._saved = dtensor.dispatch
         dtensor.dispatch = _recording_dispatch

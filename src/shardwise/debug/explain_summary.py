@@ -118,7 +118,8 @@ class _Event:
 
 
 def _events(ex: "Explanation") -> list[_Event]:
-    """Every top-level op and every collective (those inside ops too), with its section."""
+    """Every top-level op and every collective (those inside ops too), with its section: what
+    ran outside any module after the last backward event or module boundary is the optimizer's."""
     raw: list[tuple[str, str, int, CollectiveEntry | None]] = []
     for op in ex.ops:
         if op.depth == 0:
@@ -126,6 +127,7 @@ def _events(ex: "Explanation") -> list[_Event]:
         raw += [(c.module, c.phase, c.order if c.order >= 0 else op.order, c) for c in op.collectives]
     raw += [(c.module, c.phase, c.order, c) for c in ex.collectives]
     backward = [order for _, phase, order, _ in raw if phase == "backward"]
+    backward += [b.order for b in ex.boundaries if b.phase == "backward"]  # a backward with no events
     last_backward = max(backward) if backward else None
     return [_Event(module, _section(module, phase, order, last_backward), c) for module, phase, order, c in raw]
 
@@ -272,7 +274,7 @@ def summarize(ex: "Explanation") -> list[Part]:
     for section in Section:
         facts = _facts(ex, events, section)
         mine = [e for e in events if e.section is section]
-        if not mine and section is not Section.FORWARD:
+        if not mine and not (section is Section.FORWARD or (section is Section.BACKWARD and facts.edges)):
             continue
         active = {m for m in modules if m in facts.ops or m in facts.collectives or m in facts.edges}
         names = modules if section is Section.FORWARD else _with_ancestors(active, modules)

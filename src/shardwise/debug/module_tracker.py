@@ -69,6 +69,7 @@ class Boundary:
     phase: str  # a ``Phase`` value, as the other records of ``explain`` hold it
     inputs: list[str]
     outputs: list[str] | None = None
+    order: int = -1  # the tracker's clock when it was entered (-1: no clock)
 
 
 def _graph_task_id() -> int:
@@ -94,10 +95,12 @@ class ModuleTracker:
         >>> tracker.stop()
     """
 
-    def __init__(self, describe: Callable[[Any], list[str]] | None = None) -> None:
+    def __init__(self, describe: Callable[[Any], list[str]] | None = None,
+                 clock: Callable[[], int] | None = None) -> None:
         self.modules: dict[str, ModuleInfo] = {}  # the modules entered, in order of first entry
         self.boundaries: dict[tuple[str, Phase], Boundary] = {}  # filled only with ``describe``
         self._describe = describe  # values -> the layouts of their tensors
+        self._clock = clock  # stamps each boundary (``explain`` orders them among its ops)
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._forward: list[str] = []
         self._backward: Counter[str] = Counter()
@@ -180,7 +183,8 @@ class ModuleTracker:
             return
         key = (name, phase)
         if entering and key not in self.boundaries:
-            self.boundaries[key] = Boundary(name, phase.value, self._describe(values))
+            order = self._clock() if self._clock is not None else -1
+            self.boundaries[key] = Boundary(name, phase.value, self._describe(values), order=order)
         elif not entering and key in self.boundaries and self.boundaries[key].outputs is None:
             self.boundaries[key].outputs = self._describe(values)
 
