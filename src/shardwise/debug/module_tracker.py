@@ -18,6 +18,10 @@ backward runs); a hook on its inputs' gradients marks it inactive (all of them c
 module's backward is done). A module none of whose inputs require grad (an embedding fed token
 ids, the root fed data) stays active until that backward ends. Activation-checkpoint recompute
 runs forward hooks inside backward: those collectives are filed under the module, in backward.
+In backward the innermost module is the one whose backward started last: a module whose input
+another module also reads (a shared expert beside the routed experts) stays active until that
+input's whole gradient is computed, through its sibling's backward, so depth would misplace the
+sibling's collectives.
 
 Boundaries (``ModuleTracker(describe=...)``, what ``explain``'s summary shows): on a module's
 first call in each phase, the layouts crossing its edge as its caller sees them: in forward the
@@ -126,11 +130,12 @@ class ModuleTracker:
 
     # ------------------------------------------------------------------ where are we
     def active(self) -> tuple[str, ...]:
-        """Names of the active modules, outermost first (forward stack, then backward ones)."""
-        names = list(dict.fromkeys(self._forward))
+        """Names of the active modules, the innermost last: in backward those whose backward
+        started, in that order, then the forward stack (a recompute inside backward)."""
+        names: list[str] = []
         if self._backward and self._backward_task == _graph_task_id() != -1:
-            names += [n for n, c in self._backward.items() if c > 0 and n not in names]
-        return tuple(sorted(names, key=lambda n: n.count(".")))
+            names = [n for n, c in self._backward.items() if c > 0]
+        return tuple(names + [n for n in dict.fromkeys(self._forward) if n not in names])
 
     # ------------------------------------------------------------------ forward
     def _enter(self, module: nn.Module, args: tuple) -> None:
@@ -168,6 +173,8 @@ class ModuleTracker:
         if task != self._backward_task:  # a new backward: forget what the last one left open
             self._backward.clear()
             self._backward_task = task
+        if self._backward[name] == 0:  # (re)started: the most recent, so the innermost
+            del self._backward[name]
         self._backward[name] += 1
         self._cross(name, Phase.BACKWARD, grad, entering=True)
 
