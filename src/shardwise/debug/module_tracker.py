@@ -18,10 +18,10 @@ backward runs); a hook on its inputs' gradients marks it inactive (all of them c
 module's backward is done). A module none of whose inputs require grad (an embedding fed token
 ids, the root fed data) stays active until that backward ends. Activation-checkpoint recompute
 runs forward hooks inside backward: those collectives are filed under the module, in backward.
-In backward the innermost module is the one whose backward started last: a module whose input
-another module also reads (a shared expert beside the routed experts) stays active until that
-input's whole gradient is computed, through its sibling's backward, so depth would misplace the
-sibling's collectives.
+In backward the innermost module is the deepest of the subtree whose backward started last: a
+module whose input another module also reads (a shared expert beside the routed experts) stays
+active until that input's whole gradient is computed, through its sibling's backward, so depth
+alone would misplace the sibling's collectives.
 
 Boundaries (``ModuleTracker(describe=...)``, what ``explain``'s summary shows): on a module's
 first call in each phase, the layouts crossing its edge as its caller sees them: in forward the
@@ -131,10 +131,10 @@ class ModuleTracker:
     # ------------------------------------------------------------------ where are we
     def active(self) -> tuple[str, ...]:
         """Names of the active modules, the innermost last: in backward those whose backward
-        started, in that order, then the forward stack (a recompute inside backward)."""
+        started (``_backward_order``), then the forward stack (a recompute inside backward)."""
         names: list[str] = []
         if self._backward and self._backward_task == _graph_task_id() != -1:
-            names = [n for n, c in self._backward.items() if c > 0]
+            names = _backward_order([n for n, c in self._backward.items() if c > 0])
         return tuple(names + [n for n in dict.fromkeys(self._forward) if n not in names])
 
     # ------------------------------------------------------------------ forward
@@ -209,6 +209,19 @@ class ModuleTracker:
             if sub not in self._names:
                 self._names[sub] = f"{root_name}.{path}" if path else root_name
         return self._names[root]
+
+
+def _backward_order(started: list[str]) -> list[str]:
+    """Modules whose backward started (in that order), the innermost last: the subtree whose
+    backward started last, and in it the deepest module. A module and its last child often start
+    on the same gradient (they return the same tensor), the parent's hook last: nesting decides
+    between them, start order between modules of different subtrees."""
+    when = {n: i for i, n in enumerate(started)}
+
+    def key(name: str) -> tuple[int, int]:
+        return max(when[a] for a in started if a == name or name.startswith(a + ".")), name.count(".")
+
+    return sorted(started, key=key)
 
 
 def _dtensor_parameters(module: nn.Module) -> dict[str, Any]:
