@@ -55,6 +55,17 @@ def test_counts_answer_to_shardwise_names_and_torch_keys():
     assert pickle.loads(pickle.dumps(counts)) == counts
 
 
+def test_the_innermost_module_in_backward():
+    from shardwise.debug.module_tracker import _backward_order
+
+    # A module and its last child start on the same gradient, the parent's hook last: nesting decides.
+    assert _backward_order(["T.output", "T"]) == ["T", "T.output"]
+    # A shared expert stays active through the routed experts' backward: the later subtree is inner.
+    started = ["T", "T.moe", "T.moe.shared", "T.moe.shared.w1", "T.moe.experts"]
+    assert _backward_order(started)[-1] == "T.moe.experts"
+    assert _backward_order(started[:-1])[-1] == "T.moe.shared.w1"
+
+
 def test_sharding_blocks_from_the_spec_alone():
     blocks, empty = sharding_blocks((10,), [0, 1, 2, 3], [Shard(0)])  # torch.chunk: 3, 3, 3, 1
     assert [b.ranges for b in blocks] == [((0, 3),), ((3, 6),), ((6, 9),), ((9, 10),)] and empty == ()
