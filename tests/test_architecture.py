@@ -254,6 +254,14 @@ def test_no_reach_ins_across_packages():
     assert not found, "private names used outside their package:\n" + "\n".join(found)
 
 
+def test_debug_tools_import_no_parallelism():
+    """The debug tools read what parallelisms record through public hooks (``comm``'s recorders,
+    ``comm.per_peer_bytes``); they import none of ``shardwise.parallel``."""
+    found = [f"{i.file}:{i.line}: {i.target}" for module in MODULES if _package_of(module) == "debug"
+             for i in imports_of(module) if _package_of(i.target) == "parallel"]
+    assert not found, "shardwise.debug imports shardwise.parallel:\n" + "\n".join(found)
+
+
 PUBLIC_MODULES = ["shardwise", "shardwise.parallel", "shardwise.debug", "shardwise.experimental",
                   "shardwise.fsdp", "shardwise.device_mesh", "shardwise.placement_types"]
 

@@ -12,7 +12,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 import shardwise as sw
-from shardwise import Partial, Replicate, Shard
+from shardwise import Partial, Replicate, Shard, comm
 from shardwise.debug import CommCounts, CommDebugMode, visualize_sharding
 from shardwise.debug.visualize import Block, render_sharding, sharding_blocks
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -53,6 +53,17 @@ def test_counts_answer_to_shardwise_names_and_torch_keys():
             counts[not_a_collective]
         assert not_a_collective not in counts
     assert pickle.loads(pickle.dumps(counts)) == counts
+
+
+def test_the_innermost_module_in_backward():
+    from shardwise.debug.module_tracker import _backward_order
+
+    # A module and its last child start on the same gradient, the parent's hook last: nesting decides.
+    assert _backward_order(["T.output", "T"]) == ["T", "T.output"]
+    # A shared expert stays active through the routed experts' backward: the later subtree is inner.
+    started = ["T", "T.moe", "T.moe.shared", "T.moe.shared.w1", "T.moe.experts"]
+    assert _backward_order(started)[-1] == "T.moe.experts"
+    assert _backward_order(started[:-1])[-1] == "T.moe.shared.w1"
 
 
 def test_sharding_blocks_from_the_spec_alone():
@@ -183,6 +194,66 @@ def test_tp_linear_counts_per_module_forward_and_backward(dist):
         assert "        #1   forward   all_reduce      on tp       112 B" in tables[2].splitlines()
         assert sharding == {"Sequential.0.weight": (Shard(0),), "Sequential.0.bias": (Shard(0),),
                             "Sequential.2.weight": (Shard(1),), "Sequential.2.bias": (Replicate(),)}
+
+
+class _SumGradients(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the mesh (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: sw.DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return comm.all_reduce(grad.contiguous(), ctx.mesh, 0, "sum"), None
+
+
+class _Routed(nn.Module):
+    def __init__(self, mesh: sw.DeviceMesh) -> None:
+        super().__init__()
+        self.mesh, self.lin = mesh, nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(_SumGradients.apply(x, self.mesh))  # [3, 4]
+
+
+class _Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class _TwoReaders(nn.Module):
+    """Two siblings read the same input, the routed one first (as a mixture of experts' routed
+    and shared experts): the shared one, run last, runs its backward first."""
+
+    def __init__(self, mesh: sw.DeviceMesh) -> None:
+        super().__init__()
+        self.routed, self.shared = _Routed(mesh), _Shared()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.routed(x) + self.shared(x)
+
+
+def _backward_of_siblings():
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = _TwoReaders(mesh)
+    x = torch.randn(3, 4, requires_grad=True)
+    with CommDebugMode() as comms:
+        model(x).sum().backward()
+    return [(r.module, r.phase.value) for r in comms.records]
+
+
+def test_a_backward_collective_is_filed_under_the_module_whose_backward_runs(dist):
+    # The shared sibling stays active until x's whole gradient exists, through the routed one's
+    # backward; the all_reduce belongs to the routed one, whose backward started last.
+    for records in dist.run(2, _backward_of_siblings):
+        assert records == [("_TwoReaders.routed", "backward")], records
 
 
 def _visualize():

@@ -29,6 +29,7 @@ import torch.distributed._functional_collectives as funcol
 
 from shardwise.comm.bytes import all_reduce_sent
 from shardwise.comm.issue import await_release, awaited_buffers, failure_for, issue_eager, issue_traced, sequence_number, traced
+from shardwise.comm.recorders import sending_per_peer
 
 if TYPE_CHECKING:
     from shardwise.core.mesh import DeviceMesh
@@ -251,8 +252,10 @@ def all_to_all_counts(
     """
     me = mesh.get_local_rank(axis)
     nbytes = (sum(send_counts) - send_counts[me]) * send.element_size()
-    return _a2a_flat("all_to_all", mesh, axis, nbytes, send.reshape(-1).contiguous(),
-                     list(send_counts), list(recv_counts))
+    per_peer = [0 if s == me else n * send.element_size() for s, n in enumerate(send_counts)]
+    with sending_per_peer(per_peer):  # what recorders show (``per_peer_bytes``)
+        return _a2a_flat("all_to_all", mesh, axis, nbytes, send.reshape(-1).contiguous(),
+                         list(send_counts), list(recv_counts))
 
 
 def scatter(

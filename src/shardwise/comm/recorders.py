@@ -7,12 +7,15 @@ with ``record_send``. Recording is how tests count collectives as well as values
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import contextlib
+import contextvars
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 if TYPE_CHECKING:
     from shardwise.core.mesh import DeviceMesh
 
-__all__ = ["CommRecorder", "add_recorder", "remove_recorder", "record_send", "recording"]
+__all__ = ["CommRecorder", "add_recorder", "remove_recorder", "record_send", "recording", "per_peer_bytes",
+           "sending_per_peer"]
 
 
 class CommRecorder(Protocol):
@@ -42,3 +45,24 @@ def record_send(kind: str, mesh: "DeviceMesh", axis: int, nbytes: int) -> None:
     pipeline stage's activations or gradients, which torch.distributed.pipelining sends itself)."""
     for recorder in _RECORDERS:
         recorder.record(kind, mesh, axis, nbytes)
+
+
+# The bytes this rank sends each peer in the collective being issued, when they differ per peer.
+_PER_PEER: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("shardwise_per_peer", default=None)
+
+
+def per_peer_bytes() -> list[int] | None:
+    """Inside a recorder's ``record`` for an all_to_all with counts per peer (``all_to_all_counts``:
+    expert-parallel dispatch and combine, redistribute exchanges): the bytes this rank sends each
+    peer of the axis, its own entry 0; else None."""
+    return _PER_PEER.get()
+
+
+@contextlib.contextmanager
+def sending_per_peer(per_peer: list[int]) -> Iterator[None]:
+    """Mark the collective issued inside as sending ``per_peer[s]`` bytes to axis rank s."""
+    token = _PER_PEER.set(per_peer)
+    try:
+        yield
+    finally:
+        _PER_PEER.reset(token)

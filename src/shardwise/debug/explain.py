@@ -15,9 +15,13 @@ Layouts are written in shardwise's compact syntax (the one every error message u
 * ``f32[8,16]{P(sum)@tp}``: a trailing ``{...}`` lists pending reductions (Partial) and their
   mesh axes; a tensor without ``@`` or ``{}`` is replicated on every axis.
 
-``print(ex)`` renders a tree per module (with ``rich`` when it is installed, plain text
-otherwise); ``ex.to_json()`` is the same as JSON text and ``Explanation.from_json`` reads it
-back.
+``print(ex)`` renders, by default, a summary (``Detail.SUMMARY``, ``explain_summary``): one line
+per module per phase (forward, backward, then clipping and the optimizer step after backward)
+with its collectives and the layouts at its boundary, repeated identical blocks folded;
+``explain(detail=Detail.FULL)`` (the trainer's ``--explain full``) renders the whole tree per
+module, every op with its strategy. Both draw with ``rich`` when it is installed, plain text
+otherwise (docs/explain.md). ``ex.to_json()`` holds everything either shows, as JSON text, and
+``Explanation.from_json`` reads it back.
 
 Cost: nothing when not explaining. Entering swaps the function ``DTensor.__torch_dispatch__``
 calls (``shardwise.tensor.dtensor.dispatch``) for a recording wrapper and adds a collective recorder; leaving puts both back. The
@@ -35,17 +39,21 @@ Example:
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from shardwise import comm
 from shardwise.compile.opaque import never_compiled
-from shardwise.debug.module_tracker import GLOBAL, ModuleTracker, current_phase
+from shardwise.debug import explain_summary
+from shardwise.debug.module_tracker import GLOBAL, Boundary, ModuleTracker, current_phase
 from shardwise.dispatch import dispatcher, propagation, registry, walk
+from shardwise.dispatch.render import plain
 from shardwise.dispatch.strategy import OpSchema, changed_axes, input_bytes, input_cost, replicate_all
 from shardwise.tensor import dtensor
 from shardwise.tensor.dtensor import DTensor
@@ -53,7 +61,14 @@ from shardwise.core.mesh import DeviceMesh
 from shardwise.core.spec import DTensorSpec, render_layout
 from shardwise.units import format_bytes
 
-__all__ = ["explain", "Explanation", "OpEntry", "Strategy", "CollectiveEntry"]
+__all__ = ["explain", "Detail", "Explanation", "OpEntry", "Strategy", "CollectiveEntry", "Boundary"]
+
+
+class Detail(enum.Enum):
+    """What ``print(ex)`` shows: a line per module per phase, or every op (docs/explain.md)."""
+
+    SUMMARY = "summary"
+    FULL = "full"
 
 
 # ---------------------------------------------------------------------- records
@@ -69,6 +84,7 @@ class CollectiveEntry:
     module: str = GLOBAL
     phase: str = "forward"
     per_peer: list[int] | None = None
+    order: int = -1  # when it ran among the explanation's ops and collectives (-1: not known)
 
     def describe(self) -> str:
         peers = f" (per peer: {', '.join(format_bytes(b) for b in self.per_peer)})" if self.per_peer else ""
@@ -114,6 +130,7 @@ class OpEntry:
     alternatives: list[Strategy] = field(default_factory=list)
     collectives: list[CollectiveEntry] = field(default_factory=list)
     depth: int = 0
+    order: int = -1  # when it started among the explanation's ops and collectives (-1: not known)
 
     @property
     def bytes(self) -> int:
@@ -128,6 +145,7 @@ class Explanation:
     modules: list[str] = field(default_factory=list)  # in order of first entry
     ops: list[OpEntry] = field(default_factory=list)
     collectives: list[CollectiveEntry] = field(default_factory=list)  # outside any op
+    boundaries: list[Boundary] = field(default_factory=list)  # layouts at module edges, first call
 
     def all_collectives(self) -> list[CollectiveEntry]:
         """Every collective, those of ops and those outside any op."""
@@ -154,13 +172,21 @@ class Explanation:
             ops.append(OpEntry(**{**o, "chosen": chosen,
                                   "alternatives": [Strategy(**a) for a in o["alternatives"]],
                                   "collectives": [_collective(c) for c in o["collectives"]]}))
-        return cls(data["rank"], list(data["modules"]), ops, [_collective(c) for c in data["collectives"]])
+        boundaries = [Boundary(**b) for b in data.get("boundaries", [])]
+        return cls(data["rank"], list(data["modules"]), ops, [_collective(c) for c in data["collectives"]],
+                   boundaries)
 
     # ------------------------------------------------------------------ rendering
-    def render(self, rich: bool | None = None) -> str:
-        """The tree per module as text; ``rich`` (default: when installed) draws it with rich."""
+    def render(self, rich: bool | None = None, detail: Detail = Detail.SUMMARY) -> str:
+        """The summary (``Detail.SUMMARY``) or the tree of every op (``Detail.FULL``) as text;
+        ``rich`` (default: when installed) draws it with rich."""
+        if not isinstance(detail, Detail):
+            raise TypeError(f"detail must be a shardwise.debug.Detail (SUMMARY or FULL), not {detail!r}")
         if rich is None:
             rich = _rich_available()
+        if detail is Detail.SUMMARY:
+            head = f"{_header(self)} (a line per module; every op: --explain full, explain(detail=Detail.FULL))"
+            return explain_summary.render(self, head, rich)
         return _render_rich(self) if rich else _render_plain(self)
 
     def __str__(self) -> str:
@@ -182,10 +208,17 @@ class explain:
 
     Args:
         alternatives: how many rejected candidates to keep per op, cheapest first.
+        detail: what ``print`` shows: ``Detail.SUMMARY`` (a line per module per phase) or
+            ``Detail.FULL`` (every op); ``render(detail=...)`` gives either at any time.
     """
 
-    def __init__(self, alternatives: int = 2) -> None:
+    def __init__(self, alternatives: int = 2, detail: Detail = Detail.SUMMARY) -> None:
+        if not isinstance(detail, Detail):
+            raise TypeError(f"explain(detail=...) takes shardwise.debug.Detail.SUMMARY or Detail.FULL, "
+                            f"not {detail!r}")
         self.alternatives = alternatives
+        self.detail = detail
+        self._order = 0
         self.explanation = Explanation()
         self._stack: list[OpEntry] = []
         self._tracker: ModuleTracker | None = None
@@ -198,13 +231,14 @@ class explain:
         return getattr(self.explanation, name)
 
     def __str__(self) -> str:
-        return str(self.explanation)
+        return self.explanation.render(detail=self.detail)
 
     def __enter__(self) -> "explain":
         if _ACTIVE:
             raise RuntimeError("shardwise.debug.explain() is already active: explain blocks do not nest")
         self.explanation = Explanation(rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
-        self._tracker = ModuleTracker()
+        self._order = 0
+        self._tracker = ModuleTracker(describe=_layouts, clock=self._next)
         self._tracker.start()
         self._saved = dtensor.dispatch
         dtensor.dispatch = _recording_dispatch
@@ -218,9 +252,15 @@ class explain:
         _ACTIVE.remove(self)
         if self._tracker is not None:
             self.explanation.modules = list(self._tracker.modules)
+            self.explanation.boundaries = list(self._tracker.boundaries.values())
             self._tracker.stop()
 
     # ------------------------------------------------------------------ hooks
+    def _next(self) -> int:
+        """The next place in the order ops and collectives happen (what the summary sorts by)."""
+        self._order += 1
+        return self._order
+
     def _where(self) -> tuple[str, str]:
         active = self._tracker.active() if self._tracker is not None else ()
         return (active[-1] if active else GLOBAL), current_phase().value
@@ -229,7 +269,8 @@ class explain:
     def _dispatch(self, inner: Callable, func: Any, args: tuple, kwargs: dict) -> Any:
         module, phase = self._where()
         dtensors = _dtensors(args, kwargs)
-        entry = OpEntry(_op_name(func), module, phase, [dt._spec.render() for dt in dtensors], depth=len(self._stack))
+        entry = OpEntry(_op_name(func), module, phase, [dt._spec.render() for dt in dtensors], depth=len(self._stack),
+                        order=self._next())
         self.explanation.ops.append(entry)
         try:
             _strategy(entry, func, args, kwargs, dtensors, self.alternatives)
@@ -247,11 +288,11 @@ class explain:
         return out
 
     def record(self, kind: str, mesh: DeviceMesh, axis: int, bytes_sent: int) -> None:
-        """Called by ``comm`` for each collective (the ``CommRecorder`` protocol)."""
-        from shardwise.parallel.expert_parallel.all_to_all import exchange_in_progress
-
+        """Called by ``comm`` for each collective (the ``CommRecorder`` protocol); an uneven
+        all_to_all (expert-parallel dispatch and combine) also tells its bytes per peer."""
         module, phase = self._where()
-        entry = CollectiveEntry(kind, mesh.axis_name(axis), bytes_sent, module, phase, exchange_in_progress())
+        entry = CollectiveEntry(kind, mesh.axis_name(axis), bytes_sent, module, phase, comm.per_peer_bytes(),
+                                self._next())
         (self._stack[-1].collectives if self._stack else self.explanation.collectives).append(entry)
 
 
@@ -270,6 +311,13 @@ def _recording_dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 def _dtensors(args: Any, kwargs: dict) -> list:
     """The DTensors among the arguments (or results), in the dispatcher's order (``walk.dtensors``)."""
     return walk.dtensors(args if isinstance(args, (tuple, list)) else (args,), kwargs, DTensor)
+
+
+def _layouts(values: Any) -> list[str]:
+    """The layout of every tensor among ``values`` (a module's arguments, results or gradients):
+    DTensors in the compact syntax, plain tensors as ``f32[8,16](plain)`` (their local shape)."""
+    leaves = [v for v in tree_leaves(values) if isinstance(v, torch.Tensor)]
+    return [v._spec.render() if isinstance(v, DTensor) else plain(v) for v in leaves]
 
 
 def _op_name(func: Any) -> str:

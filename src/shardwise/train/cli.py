@@ -29,6 +29,7 @@ import os
 import sys
 from typing import NoReturn
 
+from shardwise.debug.explain import Detail
 from shardwise.launch.launcher import main_or_launch, under_launcher
 from shardwise.train.config import COMPILE_BACKENDS, ConfigError, JobConfig, describe_config, is_lead_process
 from shardwise.train.spec import family_names, get_family
@@ -73,6 +74,15 @@ class _HelpFormatter(argparse.HelpFormatter):
         if quiet or "%(default)" in text or "default:" in text:
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def _detail(word: str) -> Detail:
+    """``--explain``'s optional value: the word of a ``Detail`` ("full"; "summary" is the default)."""
+    try:
+        return Detail(word)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"takes no value (a line per module) or 'full' (every op), not {word!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,9 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the loss curve to this PNG (its directory must exist; checked before training)")
     p.add_argument("--metrics-file", metavar="FILE", default=None,
                    help="write per-step losses etc. as JSON (its directory must exist; checked before training)")
-    p.add_argument("--explain", action="store_true",
-                   help="print what the first step does on rank 0 (per module: every DTensor op's layouts, the "
-                        "strategy chosen and its alternatives, each collective with its bytes), then continue")
+    p.add_argument("--explain", nargs="?", const=Detail.SUMMARY, default=None, type=_detail, metavar="full",
+                   help="print what the first step does on rank 0, then continue: a line per module per phase "
+                        "(forward, backward, optimizer) with its collectives, bytes and the layouts at its edges; "
+                        "'--explain full': every DTensor op's layouts, the strategy chosen and its alternatives, "
+                        "each collective")
     p.add_argument("--simulate", action="store_true",
                    help="start no workers: simulate one step of every rank (--nproc of them) in this process on "
                         "meta tensors and print each rank's parameter, gradient, optimizer and peak memory and its "

@@ -12,12 +12,14 @@ prints the offending values; the CLI turns them into one line and exit status 2.
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardwise.checkpoint.errors import CheckpointError
+from shardwise.debug.explain import Detail
 from shardwise.launch.launcher import under_launcher
 from shardwise.parallel.dims import ParallelDims
 from shardwise.train.checkpointing import ResumePoint, latest_checkpoint
@@ -87,7 +89,8 @@ class JobConfig:
         log_every: steps between progress lines.
         plot: write the loss curve to this PNG file.
         metrics_file: write per-step losses and the summary to this JSON file.
-        explain: print ``shardwise.debug.explain``'s tree for the first step (rank 0) and continue.
+        explain: print ``shardwise.debug.explain``'s account of the first step (rank 0) and continue:
+            ``Detail.SUMMARY`` a line per module per phase, ``Detail.FULL`` every op (docs/explain.md).
         checkpoint_dir: save checkpoints to ``<checkpoint_dir>/step-<N>`` (see ``checkpointing.py``):
             every ``checkpoint_every`` steps (None: only at the end of the run) and at its end.
         resume: continue from the latest checkpoint in ``checkpoint_dir`` (any layout).
@@ -131,7 +134,7 @@ class JobConfig:
     resume: bool = False
     stop_after: int | None = None
     collective_timeout: float = 120.0
-    explain: bool = False
+    explain: Detail | None = None
     simulate: bool = False  # --simulate: no workers, one process simulates every rank (shardwise.simulate)
     simulate_expert_imbalance: float = 1.0  # --simulate: the busiest expert's rows over the mean (1: balanced)
 
@@ -228,7 +231,8 @@ class JobConfig:
         return " ".join(parts or ["single"]) + "".join(" " + f for f in flags)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The job as JSON-ready values (``--explain``'s ``Detail`` as its word)."""
+        return {k: v.value if isinstance(v, enum.Enum) else v for k, v in asdict(self).items()}
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "JobConfig":

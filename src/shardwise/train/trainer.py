@@ -382,13 +382,13 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
 @contextlib.contextmanager
 def _explaining(job: JobConfig, runtime: Runtime, first_step: bool) -> Iterator[None]:
     """``--explain``: record the first step on rank 0 (recording is local: the other ranks run
-    as usual) and print the tree when it ends."""
-    if not (job.explain and first_step and runtime.rank == 0):
+    as usual) and print it when it ends, summed up per module or every op (``job.explain``)."""
+    if job.explain is None or not (first_step and runtime.rank == 0):
         yield
         return
     from shardwise.debug import explain
 
-    with explain() as ex:
+    with explain(detail=job.explain) as ex:
         yield
     print(ex, flush=True)
 

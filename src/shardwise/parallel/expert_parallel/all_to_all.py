@@ -10,43 +10,20 @@ direction reads anything from the device.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from shardwise import comm
 from shardwise.core.mesh import DeviceMesh
 
-__all__ = ["all_to_all_rows", "copy_to_axis", "sum_over_axis", "exchange_in_progress", "issuing"]
-
-# Bytes this rank sends each peer in the all_to_all being issued (``explain`` shows them).
-_PER_PEER: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("shardwise_a2a_per_peer", default=None)
-
-
-def exchange_in_progress() -> list[int] | None:
-    """While an expert-parallel all_to_all is issued (a ``comm`` recorder's ``record`` runs inside
-    it): the bytes this rank sends each peer of the axis (its own entry 0); else None."""
-    return _PER_PEER.get()
-
-
-@contextlib.contextmanager
-def issuing(elements: list[int], element_size: int, me: int) -> Iterator[None]:
-    """Mark the all_to_all issued inside as sending ``elements[s]`` elements to peer s."""
-    token = _PER_PEER.set([0 if s == me else n * element_size for s, n in enumerate(elements)])
-    try:
-        yield
-    finally:
-        _PER_PEER.reset(token)
-
+__all__ = ["all_to_all_rows", "copy_to_axis", "sum_over_axis"]
 
 def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], mesh: DeviceMesh, axis: int) -> torch.Tensor:
     width = rows.shape[1:].numel()
     elements = [c * width for c in send]
-    with issuing(elements, rows.element_size(), mesh.get_local_rank(axis)):
-        flat = comm.all_to_all_counts(rows.contiguous().reshape(-1), elements, [c * width for c in recv],
-                                      mesh, axis)  # [sum(recv) * width]
+    flat = comm.all_to_all_counts(rows.contiguous().reshape(-1), elements, [c * width for c in recv],
+                                  mesh, axis)  # [sum(recv) * width]
     return flat.view(sum(recv), *rows.shape[1:])
 
 

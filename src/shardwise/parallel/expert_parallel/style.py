@@ -36,7 +36,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.core.mesh import DeviceMesh
 from shardwise.core.placement import Shard
-from shardwise.parallel.expert_parallel.all_to_all import all_to_all_rows, copy_to_axis, issuing, sum_over_axis
+from shardwise.parallel.expert_parallel.all_to_all import all_to_all_rows, copy_to_axis, sum_over_axis
 from shardwise.parallel.expert_parallel.dispatch import (DispatchPlan, note_exchange, plan_dispatch,
                                                          simulated_exchange)
 from shardwise.parallel.tensor_parallel.style import ParallelStyle, _check_plain, _shard_parameter, describe_module
@@ -106,8 +106,7 @@ def dispatch_rows(rows: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh, ax
     peers, experts = mesh.size(axis), len(counts)
     counts = counts.to(torch.int64)
     per_peer = [experts // peers] * peers
-    with issuing(per_peer, counts.element_size(), mesh.get_local_rank(axis)):
-        recv = comm.all_to_all_counts(counts, per_peer, per_peer, mesh, axis)  # [experts]: peer s's counts for mine
+    recv = comm.all_to_all_counts(counts, per_peer, per_peer, mesh, axis)  # [experts]: peer s's counts for mine
     if counts.is_meta:  # a simulated step: no values to read, routing assumed (dispatch.simulated_exchange)
         send_counts, recv_counts = simulated_exchange(rows.shape[0], experts, peers, mesh.get_local_rank(axis))
     else:
