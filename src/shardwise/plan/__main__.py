@@ -190,13 +190,16 @@ def _estimate(s: Search, valid: list[Candidate], dropped: list[tuple[Candidate, 
 
 
 def _simulate_fastest(s: Search, estimated: list[Plan], dropped: list[tuple[Candidate, str]],
-                      simulate: Callable[[JobConfig], LayoutCost]) -> list[Plan]:
-    """The ``--top`` fastest layouts whose full-depth simulation fits, priced from it; layouts
-    are simulated in the order of their estimates (those estimated not to fit are not)."""
+                      simulate: Callable[[JobConfig], LayoutCost]) -> tuple[list[Plan], int]:
+    """The ``--top`` fastest layouts whose full-depth simulation fits, priced from it, and how
+    many layouts were simulated; layouts are simulated in the order of their estimates (those
+    estimated not to fit are not)."""
     kept: list[Plan] = []
+    simulations = 0
     for plan in rank_plans(estimated):
         if len(kept) == s.ns.top:
             break
+        simulations += 1
         cost = _try(simulate, s.job(plan.candidate))
         if isinstance(cost, str):
             dropped.append((plan.candidate, cost))
@@ -206,7 +209,7 @@ def _simulate_fastest(s: Search, estimated: list[Plan], dropped: list[tuple[Cand
             dropped.append((plan.candidate, f"{simulated.dropped} (simulated at full depth)"))
         else:
             kept.append(simulated)
-    return rank_plans(kept)
+    return rank_plans(kept), simulations
 
 
 def _print_plans(s: Search, ranked: list[Plan]) -> None:
@@ -273,8 +276,8 @@ def main(argv: list[str] | None = None, estimate: Callable[[JobConfig], LayoutCo
     valid, dropped = _valid(s)
     estimated = _estimate(s, valid, dropped, estimate)
     dropped += [(p.candidate, f"{p.dropped} (estimated)") for p in estimated if p.dropped]
-    ranked = _simulate_fastest(s, estimated, dropped, simulate)
-    print(f"{PROG}: {len(estimated)} valid layouts estimated, the fastest simulated at full depth, in "
+    ranked, simulations = _simulate_fastest(s, estimated, dropped, simulate)
+    print(f"{PROG}: {len(estimated)} valid layouts estimated, {simulations} simulated at full depth, in "
           f"{time.perf_counter() - started:.0f} s; {len(ranked)} ranked, {len(dropped)} dropped")
     print("overlap: data-parallel traffic (dp_shard, dp_replicate) hides under compute; tp/cp traffic does not"
           + ("; nor do ep's token all_to_alls (the experts' FSDP on dp_shard_mod_ep does hide)"
