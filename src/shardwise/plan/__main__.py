@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="largest dp_replicate considered (default: any; each layout is simulated: fewer is faster)")
     p.add_argument("--activation-checkpointing", action="store_true", help="plan with recomputed block activations")
     p.add_argument("--mixed-precision", action="store_true", help="plan with bf16 parameters and activations")
-    p.add_argument("--top", type=int, default=5, help="layouts to rank, each simulated at full depth")
+    p.add_argument("--top", type=int, default=5,
+                   help="layouts to rank, each simulated at full depth (as long as about 6 estimates: fewer is faster)")
     p.add_argument("--show-dropped", action="store_true", help="list every dropped layout with its reason")
     return p
 
