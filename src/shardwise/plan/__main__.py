@@ -117,7 +117,7 @@ class Search:
 
     def price(self, job: JobConfig, cost: LayoutCost) -> Plan:
         """``job``'s step priced by the cost model on this search's hardware."""
-        flops = self.flops * job.global_batch * job.seq_len / (self.batch * self.ns.seq_len)
+        flops = self.family.flops_per_token(self.args, job.seq_len) * job.global_batch * job.seq_len
         return price(_candidate(job), cost, self.hw, self.ns.gpus_per_node, flops, job.nproc)
 
 
@@ -157,7 +157,7 @@ def _valid(s: Search) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
     # Heads 0 turn search's own head check off: the family checks its shapes (``_model_refuses``).
     for cand, why in candidates(ns.nproc, 0, 0, s.batch, ns.seq_len, ns.gpus_per_node, ns.max_pp, n_layers, max_ep):
         if why is None:
-            why = _model_refuses(s.family, s.args, cand, ns)
+            why = _model_refuses(s, cand)
         if why is None and cand.cp > ns.max_cp:
             why = f"cp {cand.cp} > --max-cp {ns.max_cp}"
         if why is None and ns.max_replicate is not None and cand.dp_replicate > ns.max_replicate:
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None, estimate: Callable[[JobConfig], LayoutCo
     closest fit), 2 for bad flags. ``estimate`` and ``simulate`` default to
     ``simulated.estimated_cost`` and ``simulated.simulated_cost``."""
     from shardwise.plan.simulated import estimated_cost, simulated_cost
-    from shardwise.train.config import ConfigError
+    from shardwise.train.config import ConfigError, params_label
 
     estimate, simulate = estimate or estimated_cost, simulate or simulated_cost
     ns = _parser().parse_args(argv)
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None, estimate: Callable[[JobConfig], LayoutCo
     except (ConfigError, ValueError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    print(f"{PROG}: {s.config} ({s.family.num_params(s.args) / 1e9:.2f}B params) on {ns.nproc} x {s.hw.name} "
+    print(f"{PROG}: {s.config} ({params_label(s.family.num_params(s.args))} params) on {ns.nproc} x {s.hw.name} "
           f"({ns.gpus_per_node} per node), global batch {s.batch} x {ns.seq_len} tokens; "
           f"compute {s.flops:.3g} FLOP/step at {s.hw.peak_flops:.3g} FLOP/s x MFU 0.5 per GPU")
     started = time.perf_counter()
@@ -291,16 +291,16 @@ def main(argv: list[str] | None = None, estimate: Callable[[JobConfig], LayoutCo
     return 0 if ranked else 1
 
 
-def _model_refuses(family: ModelFamily, args: Any, cand: Candidate, ns: argparse.Namespace) -> str | None:
+def _model_refuses(s: Search, cand: Candidate) -> str | None:
     """The family's reason the layout does not fit its shapes (heads not divisible by tp), or None."""
     from shardwise.parallel.dims import ParallelDims
     from shardwise.train.config import ConfigError
 
-    if cand.ep > 1 and family.expert_parallel is None:
+    if cand.ep > 1 and s.family.expert_parallel is None:
         return f"ep {cand.ep}: the family has no experts"
     try:
-        dims = ParallelDims(**cand.degrees(), world_size=ns.nproc)
-        family.check_degrees(args, dims, ns.config)
+        dims = ParallelDims(**cand.degrees(), world_size=s.ns.nproc)
+        s.family.check_degrees(s.args, dims, s.config)
     except (ConfigError, ValueError) as err:
         return str(err)
     return None
