@@ -122,7 +122,8 @@ def one_simulation_per_job(monkeypatch):
 
 
 # e2e: each case plays whole llama3_8b jobs (every rank's step, 32 blocks, twice) in this
-# process: 7-10 CPU-seconds a case (2-core machine, load 30), too much for the developer tier.
+# process: 3.7-9.1 CPU-seconds a case, 23 in all (2-core machine, load 8-12), too much for the
+# developer tier.
 @pytest.mark.e2e
 @pytest.mark.parametrize("world,flags,checked", CASES, ids=[f"{w}-{'+'.join(f) or 'plain'}" for w, f, _ in CASES])
 def test_plan_peaks_and_ranking_are_what_simulate_prints(world, flags, checked, one_simulation_per_job):
