@@ -90,3 +90,49 @@ def test_expert_parallel_candidates_and_their_all_to_alls_on_the_critical_path(t
     from shardwise.plan.search import axis_size
 
     assert axis_size(Candidate(dp_shard=8, tp=2, ep=4), "ep+tp") == 8  # a redistribute over both axes at once
+
+
+def test_extrapolate_adds_the_second_blocks_figures_per_further_block():
+    from shardwise.plan.search import extrapolate
+
+    one = LayoutCost(10, {"tp": 4}, {"tp": {"all_gather": 2}})
+    two = LayoutCost(13, {"tp": 6, "dp_shard": 1}, {"tp": {"all_gather": 3, "all_reduce": 1}})
+    deep = extrapolate(one, two, 30)  # 31 blocks: 30 more than one
+    assert deep.peak_memory_bytes == 100 and deep.comm_bytes_by_axis == {"tp": 64, "dp_shard": 30}
+    assert deep.collectives_by_axis == {"tp": {"all_gather": 32, "all_reduce": 30}}
+    assert extrapolate(one, two, 0) == LayoutCost(10, {"tp": 4, "dp_shard": 0}, {"tp": {"all_gather": 2, "all_reduce": 0}})
+
+
+def test_changes_tried_when_nothing_fits_keep_the_savings_in_order():
+    from shardwise.plan.advice import changes
+    from shardwise.train.config import JobConfig
+
+    job = JobConfig(config="llama3_8b", nproc=8, dp_shard=8, global_batch=16, seq_len=8192, device="cpu")
+    tried = changes(job)
+    saving = "--activation-checkpointing --mixed-precision"
+    assert [c.flags for c in tried] == [
+        "--activation-checkpointing", "--mixed-precision", saving, f"{saving} --global-batch 8",
+        f"{saving} --seq-len 4096", f"{saving} --seq-len 2048", f"{saving} --seq-len 1024",
+        f"{saving} --nproc 16", f"{saving} --nproc 32", f"{saving} --nproc 64"]
+    more = tried[-1].job  # every rank keeps its 2 sequences and holds 1/64 of the state
+    assert (more.nproc, more.dp_shard, more.global_batch, more.seq_len) == (64, 64, 128, 8192)
+    assert more.activation_checkpointing and more.mixed_precision
+    already = changes(JobConfig(config="llama3_8b", nproc=8, dp_shard=8, global_batch=8, seq_len=2048,
+                                activation_checkpointing=True, mixed_precision=True))
+    assert [c.flags for c in already] == ["--seq-len 1024", "--nproc 16", "--nproc 32", "--nproc 64"]
+
+
+def test_help_lists_defaults_profiles_and_configs_and_each_family_plans_its_default_config(capsys):
+    from shardwise.plan.__main__ import _parser, _search, main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert done.value.code == 0
+    for shown in ("h100-80gb: 80.00 GiB", "cpu: 16.00 GiB", "llama3_8b (8.03B params", "deepseek_v2_lite (15.79B",
+                  "tokens per sequence (default: 8192)", "(default: h100-80gb)", "configs of --family moe (default debug_moe)"):
+        assert shown in text, shown
+    assert _search(_parser().parse_args(["--family", "moe", "--nproc", "8"])).config == "debug_moe"
+    assert _search(_parser().parse_args(["--nproc", "8"])).config == "debug"
+    assert main(["--nproc", "8", "--config", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err

@@ -86,6 +86,19 @@ def current_phase() -> Phase:
     return Phase.BACKWARD if _graph_task_id() != -1 else Phase.FORWARD
 
 
+def _hooks_can_fire() -> bool:
+    """Whether gradient hooks registered now can fire: grad mode on, and not inside a backward.
+
+    A forward run inside a backward is an activation-checkpoint recompute (non-reentrant, as the
+    trainer's): its outputs are detached before autograd sees them, so hooks on them would never
+    fire, and each one (a closure holding the tensor, held by the tensor) would keep its tensor
+    alive until a full garbage collection, at a moment no program chooses. ``CommDebugMode``
+    measures every simulated step (``shardwise.simulate``), whose peak memory then depended on
+    when Python happened to collect.
+    """
+    return torch.is_grad_enabled() and _graph_task_id() == -1
+
+
 def _grad_tensors(values: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor) and t.requires_grad]
 
@@ -150,7 +163,7 @@ class ModuleTracker:
         if module not in self._post_hooked:
             self._post_hooked[module] = module.register_forward_hook(self._leave, always_call=True)
         inputs = _grad_tensors(args)
-        if inputs and torch.is_grad_enabled():
+        if inputs and _hooks_can_fire():
             register_multi_grad_hook(inputs, partial(self._backward_done, name), mode="all")
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -162,7 +175,7 @@ class ModuleTracker:
         if name is not None:
             self._cross(name, Phase.FORWARD, output, entering=False)
         outputs = _grad_tensors(output)
-        if outputs and torch.is_grad_enabled():
+        if outputs and _hooks_can_fire():
             register_multi_grad_hook(outputs, partial(self._backward_starts, name), mode="any")
 
     # ------------------------------------------------------------------ backward

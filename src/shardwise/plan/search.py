@@ -34,8 +34,8 @@ from typing import Iterator
 from shardwise.cost import Collective, Hardware, Link, latency, load_hardware, transfer_time
 from shardwise.units import format_bytes
 
-__all__ = ["Hardware", "load_hardware", "Candidate", "candidates", "LayoutCost", "Plan", "price", "rank_plans",
-           "MFU", "OVERLAPPED_AXES"]
+__all__ = ["Hardware", "load_hardware", "Candidate", "candidates", "LayoutCost", "extrapolate", "Plan", "price",
+           "rank_plans", "fits", "MFU", "OVERLAPPED_AXES"]
 
 MFU = 0.5  # fraction of peak FLOP/s a step's compute is assumed to reach
 OVERLAPPED_AXES = ("dp_shard", "dp_replicate", "dp_shard_cp", "dp", "dp_cp", "dp_shard_mod_ep")
@@ -117,8 +117,28 @@ class LayoutCost:
     collectives_by_axis: dict[str, dict[str, int]] = field(default_factory=dict)  # axis -> kind -> count
 
 
+def extrapolate(one: LayoutCost, two: LayoutCost, more: int) -> LayoutCost:
+    """The figures of a model ``more`` blocks deeper than ``one``, given ``two`` (one block
+    deeper than ``one``): each further block adds what the second added, to the peak, the bytes
+    and the collectives of every axis."""
+
+    def extend(a: int, b: int) -> int:
+        return a + more * (b - a)
+
+    axes = set(one.comm_bytes_by_axis) | set(two.comm_bytes_by_axis)
+    sent = {a: extend(one.comm_bytes_by_axis.get(a, 0), two.comm_bytes_by_axis.get(a, 0)) for a in axes}
+    calls = {}
+    for a in set(one.collectives_by_axis) | set(two.collectives_by_axis):
+        first, second = one.collectives_by_axis.get(a, {}), two.collectives_by_axis.get(a, {})
+        calls[a] = {k: extend(first.get(k, 0), second.get(k, 0)) for k in set(first) | set(second)}
+    return LayoutCost(extend(one.peak_memory_bytes, two.peak_memory_bytes), sent, calls)
+
+
 @dataclass
 class Plan:
+    """One layout priced: ``simulated`` when its cost comes from a full-depth simulation (the
+    figures ``--simulate`` prints), not from the 1- and 2-block estimate."""
+
     candidate: Candidate
     cost: LayoutCost
     compute_s: float
@@ -126,6 +146,7 @@ class Plan:
     step_s: float
     dropped: str | None = None
     placement: dict[str, str] = field(default_factory=dict)
+    simulated: bool = False
 
 
 def axis_links(c: Candidate, gpus_per_node: int) -> dict[str, Link]:
@@ -181,9 +202,14 @@ def price(c: Candidate, cost: LayoutCost, hw: Hardware, gpus_per_node: int, flop
     exposed = sum(t for a, t in comm.items() if a not in OVERLAPPED_AXES)
     step = max(compute, overlapped) + exposed
     dropped = None
-    if cost.peak_memory_bytes > hw.memory_bytes:
+    if not fits(cost, hw):
         dropped = f"needs {format_bytes(cost.peak_memory_bytes)} per GPU, {hw.name} has {format_bytes(hw.memory_bytes)}"
     return Plan(c, cost, compute, comm, step, dropped, {a: _link(links, a).value for a in comm})
+
+
+def fits(cost: LayoutCost, hw: Hardware) -> bool:
+    """Whether the busiest rank's peak fits in one device of ``hw``."""
+    return cost.peak_memory_bytes <= hw.memory_bytes
 
 
 def rank_plans(plans: list[Plan]) -> list[Plan]:
