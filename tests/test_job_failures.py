@@ -258,10 +258,12 @@ def test_a_rank_killed_without_a_word_is_named(job):
 def test_a_rank_killed_during_torchs_own_collective_is_named(job):
     """The same SIGKILL while every rank is in torch's own all_reduce (not issued by
     shardwise.comm, so not classified there), on 4 ranks: the survivors' gloo errors ("Connection
-    reset by peer", "Connection closed by peer") are consequences, whichever arrives first."""
+    reset by peer", "Connection closed by peer") are consequences, whichever arrives first, and
+    the survivors print nothing of them (gloo's message ends "GLHF!")."""
     status, took = job.finish(job.fault_time(), ENDS_WITHIN_S)
     assert status == 128 + signal.SIGKILL, job.text()
     assert job.text("err").splitlines()[-1].startswith("FAILED: rank 1 was killed by SIGKILL"), job.text()
+    assert "GLHF" not in job.text() and "by peer" not in job.text(), job.text()
     _no_tracebacks_but(job, rank=None)
     job.assert_nothing_left()
 
