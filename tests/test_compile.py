@@ -498,6 +498,8 @@ _LAZY_DYNAMO_PROGRAM = """
 import inspect, sys
 import shardwise, shardwise.parallel.data_parallel.state, shardwise.parallel.tensor_parallel.loss
 assert "torch._dynamo" not in sys.modules, "import shardwise imported torch._dynamo"
+torch_stacks = [m for m in sys.modules if m.startswith(("torch.distributed.tensor", "torch.distributed.checkpoint"))]
+assert not torch_stacks, f"import shardwise imported torch's DTensor or checkpoint: {torch_stacks}"
 import shardwise.tensor.dtensor as d
 eager_from_local = d._from_local
 import torch._dynamo
