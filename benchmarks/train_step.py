@@ -56,18 +56,18 @@ Reported per mode:
 * tokens/s: the global batch's tokens over the median step time, for each library;
 * tensor peak per rank (the primary memory figure): the highest sum of live tensor bytes
   above the start while the library builds the model and runs two steps, from the
-  allocation and free events of torch's profiler (``profile_memory``), every thread's tensors
-  and the collectives' buffers that torch allocates included. It is what
+  allocation and free events of torch's profiler (``profile_memory``) on the thread running
+  the step (autograd's CPU backward and gloo's temporary buffers are allocated there too). It is what
   ``torch.cuda.max_memory_allocated`` reports on a GPU, so it is the figure a GPU user compares,
   and it is the same measure for both libraries (``TensorPeak``);
 * RSS rise per rank (second): the rise of the process's peak resident set size (VmHWM, reset
   through /proc/self/clear_refs after freeing the previous model) over the same build and two
   steps. On CPU it includes what glibc's allocator keeps after frees (heap retention, which
   depends on the order of allocations more than on their sizes), so two libraries with equal
-  tensor peaks can differ here by a hundred MiB;
-  both memory figures are measured for each library separately, in passes of their own (the
-  timed steps never run under the profiler), after one untimed step of each (so imports and
-  first-use caches are not counted);
+  tensor peaks can differ here by a hundred MiB. Both memory figures are measured for each
+  library separately, each in a pass of its own (the timed steps never run under the
+  profiler), after one untimed step of each library (so imports and first-use caches are not
+  counted);
 * agreement: the largest relative difference between the two libraries' losses at the same
   step (same weights, same data), and between their first step's gradients, parameter by
   parameter (whole-gradient norms; AdamW's first updates hide a gradient off by a constant
@@ -219,10 +219,11 @@ class TensorPeak:
     """Peak of the live tensor bytes while the block runs, above those live at its start (bytes).
 
     torch's profiler with ``profile_memory`` records every allocation and free of tensor storage
-    (any thread that allocates through torch, the buffers torch allocates for collectives
-    included); their running sum in time order, at its highest, is the peak. On a GPU it is what
-    ``torch.cuda.max_memory_allocated`` counts above its start; ``tensor_peak_self_check``
-    checks the measure on a known pattern.
+    made on this thread (where the step, its CPU backward and gloo's temporary buffers of
+    all_gather, reduce_scatter, all_reduce and all_to_all allocate; a thread started inside the
+    block is not seen); their running sum in time order, at its highest, is the peak. On a GPU
+    it is what ``torch.cuda.max_memory_allocated`` counts above its start;
+    ``tensor_peak_self_check`` checks the measure on a known pattern.
     """
 
     def __enter__(self) -> "TensorPeak":
