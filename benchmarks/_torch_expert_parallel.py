@@ -54,6 +54,8 @@ class TorchExpertParallel(ParallelStyle):
             raise NotImplementedError(f"the benchmark's torch expert parallelism runs on ('ep',) or ('ep', 'tp'), "
                                       f"got {names}")
         self.with_tp = names == ("ep", "tp")
+        self.ep_group = device_mesh.get_group("ep")  # looked up once, not per call
+        self.tp_mesh = device_mesh["tp"] if self.with_tp else None
         self.calls: list[_Routing] = []
         return distribute_module(module, device_mesh, self._partition, self._dispatch, self._combine)
 
@@ -65,12 +67,12 @@ class TorchExpertParallel(ParallelStyle):
 
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         rows, counts = inputs  # [tokens * k, dim] sorted by expert, [experts]
-        group = mesh.get_group("ep")
+        group, counts = self.ep_group, counts.to(torch.int64)
         peers, experts = mesh.size(0), counts.numel()
         local = experts // peers
         with torch.no_grad():  # peer s's rows for each of my experts: [peers * local]
-            theirs = funcol.all_to_all_single(counts.to(torch.int64), None, None, group).wait()
-            both = torch.cat([counts.to(torch.int64), theirs]).tolist()  # the host synchronization
+            theirs = funcol.all_to_all_single(counts, None, None, group).wait()
+            both = torch.cat([counts, theirs]).tolist()  # the host synchronization
         mine, theirs_list = both[:experts], both[experts:]
         send = [sum(mine[s * local:(s + 1) * local]) for s in range(peers)]
         recv = [sum(theirs_list[s * local:(s + 1) * local]) for s in range(peers)]
@@ -80,16 +82,16 @@ class TorchExpertParallel(ParallelStyle):
         order = torch.argsort(expert_of_row, stable=True)
         self.calls.append(_Routing(send, recv, order))
         expert_rows = per_segment.view(peers, local).sum(0)  # [local] on the host
-        if self.with_tp:  # whole on every tp rank; the gradient is the sum of their parts
-            received = _enter_tp(received, mesh["tp"])
+        if self.tp_mesh is not None:  # whole on every tp rank; the gradient is the sum of their parts
+            received = _enter_tp(received, self.tp_mesh)
         return received[order], expert_rows
 
     def _combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        if self.with_tp:
-            out = _sum_tp(out, mesh["tp"])
+        if self.tp_mesh is not None:
+            out = _sum_tp(out, self.tp_mesh)
         call = self.calls.pop()
         by_sender = torch.empty_like(out).index_copy(0, call.order, out)  # [sum(recv), dim]
-        return funcol.all_to_all_single_autograd(by_sender, call.send, call.recv, mesh.get_group("ep"))
+        return funcol.all_to_all_single_autograd(by_sender, call.send, call.recv, self.ep_group)
 
 
 def _enter_tp(rows: torch.Tensor, tp: DeviceMesh) -> torch.Tensor:
