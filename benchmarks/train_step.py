@@ -223,7 +223,9 @@ class TensorPeak:
     all_gather, reduce_scatter, all_reduce and all_to_all allocate; a thread started inside the
     block is not seen); their running sum in time order, at its highest, is the peak. On a GPU
     it is what ``torch.cuda.max_memory_allocated`` counts above its start;
-    ``tensor_peak_self_check`` checks the measure on a known pattern.
+    ``tensor_peak_self_check`` checks the measure on a known pattern. A block freed on another
+    thread (the last reference dropped by a gloo worker) is never seen freed, so the figure is
+    an upper bound, off by a few MiB that vary with timing (docs/benchmarks.md).
     """
 
     def __enter__(self) -> "TensorPeak":
