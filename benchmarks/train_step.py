@@ -94,6 +94,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from _worker import gloo_worker
 
@@ -224,8 +225,8 @@ class TensorPeak:
     block is not seen); their running sum in time order, at its highest, is the peak. On a GPU
     it is what ``torch.cuda.max_memory_allocated`` counts above its start;
     ``tensor_peak_self_check`` checks the measure on a known pattern. A block freed on another
-    thread (the last reference dropped by a gloo worker) is never seen freed, so the figure is
-    an upper bound, off by a few MiB that vary with timing (docs/benchmarks.md).
+    thread (the last reference dropped by a gloo worker) is not recorded freed; it is taken off
+    when its address is allocated again (``peak_of_memory_events``; docs/benchmarks.md).
     """
 
     def __enter__(self) -> "TensorPeak":
@@ -246,19 +247,38 @@ class TensorPeak:
 
 
 def peak_of_memory_events(prof) -> int:
-    """The highest running sum of a finished profile's allocation (+) and free (-) events."""
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
+    """The highest running sum of a finished profile's allocations (+) and frees (-), in time order.
+
+    A free made on another thread is not recorded; the allocator then hands the same address out
+    again, so an allocation at an address still counted live means its block was freed before
+    it: the block is taken off there (late, so the figure stays an upper bound, but close)."""
+    import torch
+
+    allocation = torch._C._profiler._EventType.Allocation
+    events = sorted((n.start_time_ns, n.extra_fields.ptr, n.extra_fields.alloc_size)
+                    for n in _event_nodes(prof.profiler.kineto_results.experimental_event_tree())
+                    if n.tag == allocation and n.extra_fields.device.type == "cpu")
+    live: dict[int, int] = {}  # address -> bytes of the blocks allocated in the window, not yet freed
+    total = peak = 0
+    for _, ptr, nbytes in events:
+        total -= live.pop(ptr, 0)  # a free, or a missed one shown by the address coming back
+        if nbytes > 0:
+            live[ptr] = nbytes
+            total += nbytes
+        peak = max(peak, total)
     return peak
+
+
+def _event_nodes(nodes) -> Iterator:
+    """Every node of the profiler's event tree, depth first."""
+    for node in nodes:
+        yield node
+        yield from _event_nodes(node.children)
 
 
 def tensor_peak_self_check() -> None:
     """The measure on a known pattern: 1 MiB, then 2 MiB (3 live), free 1, then 0.5 (2.5 live):
-    3 MiB; a tensor alive before the block and freed inside it counts below zero, not above."""
+    3 MiB; a tensor alive before the block and freed inside it does not count."""
     import torch
 
     before = torch.empty(4 << 20, dtype=torch.uint8)
