@@ -3,7 +3,10 @@
 Each script starts its own local gloo processes, so it runs as a subprocess. op_coverage's quick
 subset is also a correctness gate: shardwise must give no wrong result and no rank desync on it,
 and fully pass at least as many of its ops as torch's DTensor does in the same run. train_step's
-context-parallel modes take over 10 s even quick, so only their flag checks run here (no process).
+context-parallel modes take over 10 s even quick, so only their flag checks run here (no process);
+of its MoE modes one runs (ep_tp: experts over ep and tp, sequence parallel, the MoE layer's TP
+boundary, FSDP), one timed step per library, and its agreement with torch and with one process
+is checked.
 """
 
 from __future__ import annotations
@@ -89,3 +92,42 @@ def test_train_step_cp_modes_are_known_and_check_the_sequence_split(monkeypatch,
         train_step.parse_args(["--modes", "cp_fsdp,cp", "--seq-len", "36"])
     assert "--seq-len 36 must divide into 2 x cp = 8 chunks" in capsys.readouterr().err
     train_step.parse_args(["--modes", "cp_fsdp", "--seq-len", "36"])  # cp=2: 4 chunks of 9
+
+
+def _train_step_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("train_step")
+
+
+def test_train_step_tensor_peak_measure_is_exact_on_a_known_pattern(monkeypatch):
+    train_step = _train_step_module(monkeypatch)
+    train_step.tensor_peak_self_check()  # raises, naming both figures, when the measure is off
+    import torch
+
+    with train_step.TensorPeak() as peak:
+        kept = torch.empty(3 << 20, dtype=torch.uint8)
+    assert peak.peak == 3 << 20 and kept.numel() == 3 << 20
+
+
+def test_train_step_moe_modes_check_their_config(monkeypatch, capsys):
+    train_step = _train_step_module(monkeypatch)
+    args = train_step.parse_args(["--quick", "--modes", "ep,ep_tp"])
+    assert args.moe_config == "tiny_moe" and args.config == "tiny"
+    assert train_step.parse_args(["--modes", "ep"]).moe_config == "debug_moe"
+    with pytest.raises(SystemExit):
+        train_step.parse_args(["--modes", "ep", "--moe-config", "tiny"])
+    assert "unknown --moe-config 'tiny'" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_train_step_quick_moe_mode_agrees_with_torch_and_one_process():
+    out = _run("train_step.py", "--quick", "--modes", "ep_tp", "--reps", "1", "--warmup", "1")
+    line = re.search(r"^ep_tp .*$", out, re.M)
+    assert line, f"no ep_tp row:\n{out[-4000:]}"
+    columns = line.group(0).split()  # mode, 2 times, ratio, 2 tokens/s, 4 memory lists, then the agreement
+    agreement = re.fullmatch(r"([\d.e+-]+), grads ([\d.e+-]+) \(vs 1 process ([\d.e+-]+)\)", " ".join(columns[10:]))
+    assert agreement, line.group(0)
+    loss_diff, grad_diff, vs_single = (float(x) for x in agreement.groups())
+    assert loss_diff <= 1e-4 and grad_diff <= 1e-4 and vs_single <= 1e-5, line.group(0)
+    for memory in columns[6:10]:  # tensor peak and RSS rise, shardwise and torch: one figure per rank
+        assert len(memory.split("/")) == 4, line.group(0)

@@ -69,13 +69,15 @@ class ParallelAPI:
     MixedPrecisionPolicy: type
     loss_parallel: Callable
     replicate: Callable | None = None
+    PrepareModuleInputOutput: type | None = None  # a family's module boundaries (the MoE layer under TP)
 
     @classmethod
     def from_namespaces(cls, parallel: Any, placements: Any, fsdp: Any, replicate: Callable | None) -> "ParallelAPI":
         """Collect the names from a parallel-styles module, a placements module and an FSDP module."""
         return cls(parallel.parallelize_module, parallel.ColwiseParallel, parallel.RowwiseParallel,
                    parallel.SequenceParallel, parallel.PrepareModuleInput, placements.Shard, placements.Replicate,
-                   fsdp.fully_shard, fsdp.MixedPrecisionPolicy, parallel.loss_parallel, replicate)
+                   fsdp.fully_shard, fsdp.MixedPrecisionPolicy, parallel.loss_parallel, replicate,
+                   getattr(parallel, "PrepareModuleInputOutput", None))
 
 
 def shardwise_api() -> ParallelAPI:

@@ -10,13 +10,13 @@ docs/parallelism.md, "Mixture of experts and expert parallelism".
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from shardwise import comm
 from shardwise.core.mesh import DeviceMesh
-from shardwise.core.placement import Placement, Replicate, Shard
-from shardwise.parallel.tensor_parallel.prepare import PrepareModuleInputOutput
 from shardwise.train.models.llama.parallelize import tp_plans
 from shardwise.train.models.moe.model import MoEBlock, moe_layers
 from shardwise.train.parallelize import ParallelAPI, ParallelOptions
@@ -24,14 +24,17 @@ from shardwise.train.parallelize import ParallelAPI, ParallelOptions
 __all__ = ["apply_tp", "apply_ep", "update_expert_bias"]
 
 
-def _moe_boundary(between: Placement) -> PrepareModuleInputOutput:
-    """The MoE layer takes the residual stream whole (plain, the same on every tp rank) and
-    hands it back in the stream's layout: every tp rank routes all the layer's tokens, each
+def _moe_boundary(between: Any, api: ParallelAPI) -> Any:
+    """``api``'s ``PrepareModuleInputOutput`` for the MoE layer (``between``: the residual
+    stream's placement). The layer takes the stream whole (plain, the same on every tp rank)
+    and hands it back in the stream's layout: every tp rank routes all the layer's tokens, each
     computes its slice of every expert (``apply_ep``: experts split over tp); the router and
     the shared expert run whole on each tp rank."""
-    return PrepareModuleInputOutput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
-                                    use_local_input=True, output_layouts=(Replicate(),),
-                                    desired_output_layouts=(between,), use_local_output=True)
+    if api.PrepareModuleInputOutput is None:
+        raise NotImplementedError("this parallel API has no PrepareModuleInputOutput: the MoE layer's TP boundary needs it")
+    return api.PrepareModuleInputOutput(input_layouts=(between,), desired_input_layouts=(api.Replicate(),),
+                                        use_local_input=True, output_layouts=(api.Replicate(),),
+                                        desired_output_layouts=(between,), use_local_output=True)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: ParallelOptions, api: ParallelAPI) -> None:
@@ -40,10 +43,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: ParallelOptions, ap
     root, block = tp_plans(options.sequence_parallel, options.loss_parallel, api)
     root = {path: style for path, style in root.items() if getattr(model, path, None) is not None}  # pipeline stage
     api.parallelize_module(model, tp_mesh, root)
-    between = Shard(1) if options.sequence_parallel else Replicate()
+    between = api.Shard(1) if options.sequence_parallel else api.Replicate()
     attention_only = {key: style for key, style in block.items() if not key.startswith("feed_forward")}
     for layer in model.layers.values():
-        plan = {**attention_only, "moe": _moe_boundary(between)} if isinstance(layer, MoEBlock) else block
+        plan = {**attention_only, "moe": _moe_boundary(between, api)} if isinstance(layer, MoEBlock) else block
         api.parallelize_module(layer, tp_mesh, plan)
 
 
