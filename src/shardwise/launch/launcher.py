@@ -6,7 +6,7 @@ the workers of a launcher) or starts ``nproc`` copies of the current program (a 
 the same program just runs. ``python -m shardwise.launch --nproc N script.py`` does the same
 for any script (see ``main``).
 
-On Linux the workers are forked from the launcher, which has imported torch (and whatever the
+On Linux with a CPU-only torch the workers are forked from the launcher, which has imported torch (and whatever the
 program imported before calling the launcher), so a worker starts in milliseconds instead of
 paying 1.5-2 CPU-seconds of imports; each still runs the program from the top as ``__main__``
 with one intra-op thread, as a fresh interpreter would. ``SHARDWISE_LAUNCH_START_METHOD=spawn``
@@ -99,12 +99,18 @@ class StartMethod(enum.Enum):
 
 
 def _start_method() -> StartMethod:
-    """Fork where the platform has it (Linux), else spawn; ``SHARDWISE_LAUNCH_START_METHOD``
-    chooses (``spawn`` gives every worker a fresh interpreter, as torchrun does)."""
+    """Fork on Linux with a CPU-only torch, else spawn; ``SHARDWISE_LAUNCH_START_METHOD`` chooses
+    (``spawn`` gives every worker a fresh interpreter, as torchrun does).
+
+    A torch built for CUDA or ROCm spawns: once a process has asked the GPU runtime anything
+    (``torch.cuda.is_available()`` does), a forked child cannot use the GPU."""
     chosen = os.environ.get(START_METHOD_ENV, "")
     if chosen:
         return StartMethod(chosen)
-    return StartMethod.FORK if sys.platform.startswith("linux") else StartMethod.SPAWN
+    import torch
+
+    cpu_only = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+    return StartMethod.FORK if sys.platform.startswith("linux") and cpu_only else StartMethod.SPAWN
 
 
 def run_forked(*python_args: str) -> int:
