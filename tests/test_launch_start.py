@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "jobs" / "fork_probe.py"
 
 
-
 @pytest.mark.unit
 def test_the_default_forks_only_on_linux_with_a_cpu_only_torch(monkeypatch):
     import torch
