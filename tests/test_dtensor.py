@@ -112,7 +112,7 @@ def _bad_placements(kind):
 
 
 @pytest.mark.parametrize("kind,match", [
-    ("length", r"1 placements for a 2-D mesh.*shape \[4, 6\] on mesh\(dp=2, tp=2\) with placements \[Shard\(dim=0\)\]"),
+    ("length", r"^`placements` must have the same length as `device_mesh.ndim`! Found placements length: 1, and device_mesh.ndim: 2\..*shape \[4, 6\] on mesh\(dp=2, tp=2\) with placements \[Shard\(dim=0\)\]"),
     ("dim", r"Shard\(2\) is outside the tensor's 2 dims.*\[4, 6\].*mesh\(dp=2, tp=2\)"),
     ("mixed", r"mix Partial reduce ops \['max', 'sum'\]"),
     ("mesh", r"cannot move f32\[4@dp,6\] from mesh\(dp=2, tp=2\) \(ranks \[0, 1, 2, 3\]\) to .*\(ranks \[0, 1\]\)"),

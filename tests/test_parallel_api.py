@@ -220,7 +220,7 @@ def test_prepare_module_input_output_arguments():
         use_local_input=True, output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False)
     assert style.prepare_module_input.desired_input_kwarg_layouts == {"mask": Replicate()}
     assert style.prepare_module_input.use_local_output and not style.prepare_module_output.use_local_output
-    with pytest.raises(ValueError, match="2 input layouts but 1 desired"):
+    with pytest.raises(ValueError, match="should have same length!.*2 input layouts but 1 desired"):
         PrepareModuleInputOutput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(),),
                                  output_layouts=Replicate(), desired_output_layouts=Shard(1))
     with warnings.catch_warnings():

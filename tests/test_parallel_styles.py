@@ -1,5 +1,7 @@
 """Tensor-parallel styles and parallelize_module on a Llama-style block, against single-device."""
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -195,7 +197,11 @@ def _conv():
 
 def _unmatched():
     mesh = sw.init_device_mesh("cpu", (4,))
-    parallelize_module(make_block(), mesh, {"attention.wq": ColwiseParallel(), "layers.*.attention.wq": ColwiseParallel()})
+    block = make_block()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallelize_module(block, mesh, {"attention.wq": ColwiseParallel(), "layers.*.attention.wq": ColwiseParallel()})
+    return [(w.category, str(w.message)) for w in caught], type(block.attention.wq.weight).__name__
 
 
 def _two_d_mesh():
@@ -212,9 +218,16 @@ def test_bad_plans_raise_on_every_rank_before_communicating(dist):
     with CommDebugMode():
         pass
     dist.run_expect_error(4, _conv, match=r"plan\['0'\] on module '0' \(Conv2d.*supports nn.Linear and nn.Embedding")
-    dist.run_expect_error(4, _unmatched, match=r"plan keys \['layers.\*.attention.wq'\] match no module of Block")
     dist.run_expect_error(4, _two_d_mesh, match="needs a 1-D mesh")
     dist.run_expect_error(4, _twice, match="matched by plan keys 'attention.w\\[qk\\]' and 'attention.wq'")
+
+
+def test_a_plan_key_matching_no_module_warns_as_torch_and_the_rest_applies(dist):
+    for caught, weight in dist.run(4, _unmatched):
+        assert weight == "DTensor"
+        assert len(caught) == 1 and caught[0][0] is UserWarning, caught
+        assert caught[0][1].startswith("Parallelize plan key 'layers.*.attention.wq' could not be resolved: no "
+                                       "submodule matching token 'layers' in module Block"), caught
 
 
 def _no_collective_before_error():

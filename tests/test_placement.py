@@ -30,7 +30,8 @@ def test_repr_is_readable():
 
 def test_partial_rejects_unknown_reduce_op():
     with pytest.raises(ValueError, match="reduce_op must be one of"):
-        Partial("prod")
+        Partial("median")
+    assert Partial("prod") == Partial("product") and Partial("prod").reduce_op == "product"  # torch.prod's name
 
 
 def test_shard_normalizes_negative_dims():

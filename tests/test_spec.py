@@ -33,7 +33,7 @@ def test_wrong_number_of_placements_names_shape_mesh_and_placements():
     with pytest.raises(ValueError) as err:
         DTensorSpec(_mesh(2, 2, names=("dp", "tp")), (Shard(0),), _meta(4, 6))
     msg = str(err.value)
-    assert "1 placements for a 2-D mesh" in msg and "[4, 6]" in msg and "mesh(dp=2, tp=2)" in msg
+    assert msg.startswith("`placements` must have the same length as `device_mesh.ndim`! Found placements length: 1, and device_mesh.ndim: 2.") and "[4, 6]" in msg and "mesh(dp=2, tp=2)" in msg
     assert "Shard(dim=0)" in msg
 
 

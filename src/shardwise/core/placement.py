@@ -108,11 +108,16 @@ class Partial(Placement):
 
     reduce_op: str = "sum"
     REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg", "max", "min", "product")
+    # Other spellings of a reduction, kept as the one name so that rules and caches see one op:
+    # ``prod`` is torch.prod's name for c10d's ``product``.
+    ALIASES: ClassVar[dict[str, str]] = {"prod": "product"}
 
     def __post_init__(self) -> None:
+        if self.reduce_op in self.ALIASES:
+            object.__setattr__(self, "reduce_op", self.ALIASES[self.reduce_op])
         if self.reduce_op not in self.REDUCE_OPS:
             raise ValueError(
-                f"Partial reduce_op must be one of {self.REDUCE_OPS}, got {self.reduce_op!r}"
+                f"Partial reduce_op must be one of {self.REDUCE_OPS} (or 'prod'), got {self.reduce_op!r}"
             )
 
     def is_partial(self, reduce_op: str | None = None) -> bool:

@@ -9,6 +9,7 @@ tile the global tensor exactly once (a property test checks it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -167,13 +168,64 @@ class DTensorSpec:
         """Mesh axes that shard tensor dim ``dim``, in order."""
         return [i for i, p in enumerate(self.placements) if p.is_shard(dim)]
 
-    @property
     def is_replicated(self) -> bool:
+        """True if every mesh axis holds the whole value (a method, as torch's)."""
         return all(p.is_replicate() for p in self.placements)
+
+    def is_sharded(self) -> bool:
+        """True if some mesh axis cuts the tensor."""
+        return any(p.is_shard() for p in self.placements)
 
     @property
     def has_partial(self) -> bool:
         return any(p.is_partial() for p in self.placements)
+
+    # ------------------------------------------------------------------ torch's spec fields
+    # The derived views torch's DTensorSpec documents, for code written against it
+    # (docs/api.md): per tensor dim, per mesh axis, or one count.
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self.mesh
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return self._meta().stride
+
+    @property
+    def num_shards(self) -> int:
+        """How many blocks the tensor is cut into: the product of the sizes of the Shard axes."""
+        return math.prod(self.mesh.size(i) for i, p in enumerate(self.placements) if p.is_shard())
+
+    @property
+    def num_shards_map(self) -> list[int]:
+        """Per tensor dim, how many pieces the Shard axes cut it into (1: whole)."""
+        pieces = [1] * self.ndim
+        for i, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                pieces[p.dim] *= self.mesh.size(i)
+        return pieces
+
+    @property
+    def dim_map(self) -> list[int]:
+        """Per tensor dim, the mesh axis that shards it, -1 where none does.
+
+        Raises:
+            ValueError: a tensor dim is sharded by two mesh axes (``[Shard(0), Shard(0)]``),
+                which one axis per dim cannot say; ``placements`` can.
+        """
+        axes = [-1] * self.ndim
+        for i, p in enumerate(self.placements):
+            if isinstance(p, Shard) and axes[p.dim] >= 0:
+                raise ValueError(f"Tensor dim {p.dim} is already sharded on mesh dim {axes[p.dim]}, and dim_map "
+                                 f"has one mesh axis per tensor dim: read placements instead ({self.render()} on {self.mesh})")
+            if isinstance(p, Shard):
+                axes[p.dim] = i
+        return axes
+
+    @property
+    def sums(self) -> list[int]:
+        """The mesh axes holding a pending reduction (Partial)."""
+        return [i for i, p in enumerate(self.placements) if p.is_partial()]
 
     def with_placements(self, placements: Sequence[Placement]) -> "DTensorSpec":
         """The same tensor on the same mesh, laid out by ``placements``."""
@@ -220,7 +272,9 @@ def _validated(
         raise ValueError(f"{err} ({where(list(placements))})") from None
     if len(placements) != mesh.ndim:
         raise ValueError(
-            f"{len(placements)} placements for a {mesh.ndim}-D mesh: need one per mesh axis ({where(list(placements))})"
+            "`placements` must have the same length as `device_mesh.ndim`! Found placements length: "
+            f"{len(placements)}, and device_mesh.ndim: {mesh.ndim}. Need one placement per mesh axis "
+            f"({where(list(placements))})"
         )
     if shape is None:
         return placements

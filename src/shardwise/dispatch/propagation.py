@@ -423,7 +423,8 @@ def _unsupported_message(op: Any, call: str) -> str:
             "whole value), or call the collective on dtensor.to_local() to communicate this rank's block"
         )
     return (
-        f"shardwise has no sharding support for {call}. Register one with "
+        f"Operator {op} does not have a sharding strategy registered. shardwise has no sharding support for "
+        f"{call}. Register one with "
         f"@shardwise.register_sharding({op}) (per-axis placements), or run it replicated with "
         "`with shardwise.allow_replicate_fallback():`"
     )

@@ -14,11 +14,13 @@ their own ops with ``register_sharding`` (per-axis candidates) or the decorators
 from __future__ import annotations
 
 import enum
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
+from shardwise.core.spec import DTensorSpec
 from shardwise.dispatch.cache import bump_registry_version
 
 __all__ = [
@@ -110,27 +112,79 @@ def register_strategy(*ops: Any, per_axis: bool = True, replace: bool = False) -
 
 
 def register_sharding(op: Any, *, replace: bool = True) -> Callable:
-    """Public: teach shardwise how to shard ``op`` (an aten op or a ``torch.library`` custom op).
+    """Public: teach shardwise how to shard ``op`` (an aten op or a ``torch.library`` custom op,
+    or a list of them).
 
-    The decorated function receives an ``OpSchema`` (``schema.specs`` are the inputs' specs,
-    ``schema.args`` the call's arguments with specs in place of DTensors) and returns the
-    layouts the op accepts on ONE mesh axis, as ``(output_placements, input_placements)``
-    pairs of lists. shardwise expands them to every mesh axis and picks the cheapest.
+    The decorated function returns the layouts the op accepts on ONE mesh axis, as
+    ``(output_placements, input_placements)`` pairs of lists; shardwise expands them to every
+    mesh axis and picks the cheapest. It is called in one of two ways, told apart by its
+    signature:
+
+    * shardwise's: one parameter named ``schema`` (or annotated ``OpSchema``) receives the
+      ``OpSchema`` (``schema.specs`` are the inputs' specs, ``schema.args`` the call's arguments
+      with specs in place of DTensors); input placements are listed per DTensor input.
+    * torch's: any other signature is called with the op's own arguments (a ``DTensorSpec`` in
+      place of each DTensor); input placements are listed per positional argument, ``None``
+      for those that are not tensors, as ``torch.distributed.tensor.experimental``'s.
 
     Example:
         >>> @shardwise.register_sharding(torch.ops.mylib.scale.default)
         ... def _(schema):
         ...     return [([Shard(0)], [Shard(0)]), ([Replicate()], [Replicate()])]
+        >>> @shardwise.register_sharding(torch.ops.aten._softmax.default)
+        ... def _(x, dim, half_to_float):  # torch's convention
+        ...     return [([Replicate()], [Replicate(), None, None])]
     """
+    ops = op if isinstance(op, (list, tuple)) else [op]
 
     def wrap(fn: Callable) -> Callable:
-        def per_axis(schema):
-            return [tuple(outs) + tuple(ins) for outs, ins in fn(schema)]
-
-        _register([op], Registration(Kind.STRATEGY, per_axis, True), replace)
+        candidates = _schema_candidates(fn) if _takes_schema(fn) else _torch_style_candidates(fn)
+        _register(ops, Registration(Kind.STRATEGY, candidates, True), replace)
         return fn
 
     return wrap
+
+
+def _takes_schema(fn: Callable) -> bool:
+    """shardwise's convention: one parameter, named ``schema`` or annotated ``OpSchema``."""
+    params = list(inspect.signature(fn).parameters.values())
+    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return False
+    note = params[0].annotation
+    return params[0].name in ("schema", "op_schema") or getattr(note, "__name__", note) == "OpSchema"
+
+
+def _schema_candidates(fn: Callable) -> Callable:
+    def per_axis(schema: Any) -> list[tuple]:
+        return [tuple(outs) + tuple(ins) for outs, ins in fn(schema)]
+
+    return per_axis
+
+
+def _torch_style_candidates(fn: Callable) -> Callable:
+    """``fn`` called as torch calls a sharding function; its per-argument input placements
+    mapped to shardwise's per-DTensor list (a list of DTensors takes its argument's entry)."""
+    def per_axis(schema: Any) -> list[tuple]:
+        out = []
+        for outs, ins in fn(*schema.args, **dict(schema.kwargs)):
+            ins = list(ins) + [None] * (len(schema.args) - len(ins))
+            per_spec = [p for arg, p in zip(schema.args, ins) for _ in range(_spec_count(arg))]
+            if len(per_spec) != len(schema.specs):
+                raise ValueError(f"register_sharding({schema.op}): {getattr(fn, '__name__', fn)} gives input "
+                                 f"placements per positional argument (torch's convention), but "
+                                 f"{len(schema.specs) - len(per_spec)} DTensor(s) came as keyword arguments")
+            out.append(tuple(outs) + tuple(per_spec))
+        return out
+
+    return per_axis
+
+
+def _spec_count(arg: Any) -> int:
+    if isinstance(arg, DTensorSpec):
+        return 1
+    if isinstance(arg, (list, tuple)):
+        return sum(isinstance(a, DTensorSpec) for a in arg)
+    return 0
 
 
 # Ops whose layouts depend on a Python float argument only through its sign (and whether it

@@ -9,6 +9,7 @@ parameter, shard the batch of the input" (seed 6.1).
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Callable
 
 from torch import nn
@@ -83,6 +84,9 @@ def _hook(fn: Callable, mesh: DeviceMesh, what: str) -> Callable:
     arity = len(inspect.signature(fn).parameters)
     if arity not in (2, 3):
         raise TypeError(f"{what} must take (module, value, mesh) or (value, mesh), got {arity} parameters")
+    if arity == 2:  # torch's wording, so filters written for torch's warning match
+        warnings.warn(f"Deprecating {what} that takes two arguments (inputs, device_mesh), please use {what} that "
+                      "takes in (module, inputs, device_mesh) instead!", FutureWarning, stacklevel=3)
     if what == "input_fn":
         return (lambda mod, inputs: fn(mod, inputs, mesh)) if arity == 3 else (lambda mod, inputs: fn(inputs, mesh))
     return (lambda mod, inputs, out: fn(mod, out, mesh)) if arity == 3 else (lambda mod, inputs, out: fn(out, mesh))

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from shardwise.tensor.dtensor import DTensor
 from shardwise.core.mesh import DeviceMesh
-from shardwise.core.placement import Placement, as_placements
+from shardwise.core.placement import Placement, Replicate, as_placements
 
 __all__ = ["local_map"]
 
@@ -39,7 +39,9 @@ def local_map(
     Args:
         func: the per-rank function; None returns a decorator.
         out_placements: per (flattened) result, its placements (None for a non-tensor result);
-            one placements sequence when there is one result.
+            one placements sequence when there is one result. A tensor result given None (or
+            all of them, when ``out_placements`` is None) is taken as replicated, as torch's
+            ``local_map`` takes it: the caller promises every rank computed the same block.
         in_placements: per (flattened) positional argument, the placements ``func`` expects
             (None for non-DTensor arguments); None: take DTensors as they are.
         in_grad_placements: per argument, how to read the gradient of its block
@@ -127,7 +129,6 @@ def _from_local(value: Any, mesh: DeviceMesh, placements: tuple | None, i: int, 
         return value
     if isinstance(value, DTensor):
         raise ValueError(f"local_map({name}): result {i} is a DTensor; the function must return local tensors")
-    if placements is None:
-        raise ValueError(f"local_map({name}): result {i} is a tensor but has no out_placements; "
-                         "say how the blocks form the result")
+    if placements is None:  # torch's reading: the blocks are one replicated value
+        placements = (Replicate(),) * mesh.ndim
     return DTensor.from_local(value, mesh, placements)

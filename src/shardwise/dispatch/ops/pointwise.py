@@ -206,7 +206,7 @@ def _replicated(values: list[Any]) -> bool:
         v is None
         or isinstance(v, Number)
         or (isinstance(v, torch.Tensor) and v.ndim == 0)
-        or (isinstance(v, DTensorSpec) and v.is_replicated)
+        or (isinstance(v, DTensorSpec) and v.is_replicated())
         for v in values
     )
 

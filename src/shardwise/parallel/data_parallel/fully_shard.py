@@ -20,6 +20,7 @@ from shardwise.parallel.data_parallel.policy import MixedPrecisionPolicy
 from shardwise.parallel.data_parallel.state import STATE_ATTR, FSDPState, state_of
 from shardwise.parallel.data_parallel.validate import compute_dtype, group_params
 from shardwise.core.mesh import DeviceMesh
+from shardwise.core.torch_errors import ValueAssertionError
 
 __all__ = ["fully_shard", "FSDPModule"]
 
@@ -168,8 +169,7 @@ def fully_shard(
     where = f"fully_shard({label})"
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard needs an nn.Module, got {label}")
-    if state_of(module) is not None:
-        raise ValueError(f"fully_shard was already applied to {state_of(module).label}; apply it once per module")
+    _refuse_unfit(module)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(f"{where}: reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -187,6 +187,20 @@ def fully_shard(
     return module
 
 
+def _refuse_unfit(module: nn.Module) -> None:
+    """torch's refusals, with its exception types and wording first: a module sharded twice, a
+    container that has no forward of its own (its hooks would never run)."""
+    if state_of(module) is not None:
+        raise ValueAssertionError(
+            "Each distinct composable distributed API can only be applied to a module once. fully_shard has "
+            f"already been applied to the following module:\n{module}\n(shardwise: fully_shard was already "
+            f"applied to {state_of(module).label}; apply it once per module)")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: {module}\n(shardwise: apply "
+            f"it to each module the {type(module).__name__} holds, or to the module whose forward runs them)")
+
+
 def _fsdp_class(cls: type) -> type:
     """``cls`` with FSDPModule mixed in (one class per original class)."""
     if issubclass(cls, FSDPModule):
@@ -194,3 +208,8 @@ def _fsdp_class(cls: type) -> type:
     if cls not in _FSDP_CLASSES:
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
     return _FSDP_CLASSES[cls]
+
+
+# ``fully_shard.state(module)``, as torch's composable APIs offer: the module's FSDPState, or None
+# where fully_shard was not applied. Set as an attribute, so fully_shard stays a plain function.
+setattr(fully_shard, "state", state_of)

@@ -269,3 +269,11 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None, bucket_cap_m
     module.__dict__[STATE_ATTR] = state
     state.install()
     return module
+
+
+def _replicate_state(module: nn.Module) -> Any:
+    """``replicate.state(module)``: the module's replicate state, or None (as torch's)."""
+    return module.__dict__.get(STATE_ATTR)
+
+
+setattr(replicate, "state", _replicate_state)

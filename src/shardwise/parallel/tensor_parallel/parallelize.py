@@ -2,13 +2,12 @@
 
 The plan maps module paths to styles. A path is matched part by part with shell-style
 wildcards, so ``"layers.*.attention.wq"`` names the query projection of every block. The whole
-plan is resolved and checked before anything is distributed: a key that matches no module, a
-module matched by two keys, or a style that cannot apply raises one error naming the key, the
-module and the reason, on every rank, before any collective. A ColwiseParallel or
+plan is resolved and checked before anything is distributed: a module matched by two keys or a
+style that cannot apply raises one error naming the key, the module and the reason, on every
+rank, before any collective; a key that matches no module warns, as torch's does, and the rest
+of the plan applies. A ColwiseParallel or
 RowwiseParallel split that would give a rank part of an attention head is refused then too
 (``heads.py``).
-
-Differences from torch: a plan key that matches no module raises (torch warns and skips it).
 """
 
 from __future__ import annotations
@@ -53,13 +52,25 @@ def resolve_plan(module: nn.Module, plan: dict[str, ParallelStyle]) -> list[tupl
                 )
             owner[path] = key
             resolved.append((key, path, modules[path], style))
-    if unmatched:
-        some = ", ".join(p for p in list(modules)[1:8])
-        raise ValueError(
-            f"parallelize_module: plan keys {unmatched} match no module of {type(module).__name__} "
-            f"(its modules include: {some}, ...)"
-        )
+    for key in unmatched:
+        _warn_unmatched(key, modules)
     return resolved
+
+
+def _warn_unmatched(key: str, modules: dict[str, nn.Module]) -> None:
+    """torch's warning for a plan key that names no module (its wording first, so filters written
+    for torch's match), naming the first part of the key that matched nothing."""
+    parts, parent = key.split("."), ""
+    for depth in range(len(parts)):
+        below = [p for p in modules if p and _matches(".".join(parts[:depth + 1]), p)]
+        if not below:
+            break
+        parent = below[0]
+    token, where = parts[depth], modules[parent]
+    children = ", ".join(name for name, _ in where.named_children()) or "none"
+    warnings.warn(f"Parallelize plan key {key!r} could not be resolved: no submodule matching token {token!r} in "
+                  f"module {type(where).__name__} (shardwise: its children are {children}); the rest of the "
+                  "plan is applied", UserWarning, stacklevel=4)
 
 
 def _check_attention_groups(resolved: list, modules: dict[str, nn.Module], mesh: DeviceMesh) -> None:

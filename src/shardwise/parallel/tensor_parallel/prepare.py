@@ -16,6 +16,7 @@ from torch import nn
 
 from shardwise.compile.opaque import Packed, opaque, pack, unpack
 from shardwise.core.mesh import DeviceMesh
+from shardwise.core.torch_errors import ValueAssertionError
 from shardwise.parallel.tensor_parallel.style import ParallelStyle, from_layout, to_layout
 from shardwise.core.placement import Placement
 
@@ -35,8 +36,9 @@ def _as_tuple(layouts: Layouts) -> tuple[Placement | None, ...]:
 def _pair(given: Layouts, desired: Layouts, what: str) -> tuple[tuple, tuple]:
     given_t, desired_t = _as_tuple(given), _as_tuple(desired)
     if len(given_t) != len(desired_t):
-        raise ValueError(
-            f"{what}: {len(given_t)} input layouts but {len(desired_t)} desired layouts; give one of each per argument"
+        raise ValueAssertionError(
+            f"input_layouts and desired_input_layouts should have same length! {what}: {len(given_t)} input "
+            f"layouts but {len(desired_t)} desired layouts; give one of each per argument"
         )
     for g, d in zip(given_t, desired_t):
         if (g is None) != (d is None):

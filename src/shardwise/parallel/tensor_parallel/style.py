@@ -81,7 +81,9 @@ class _SharedMove:
     One slot, all weak: the source must be the same live object with the same version and the
     same layouts asked for, and the moved tensor must still be alive (autograd keeps it while
     a layer saved it for backward) and unmodified. Nothing is kept alive by the slot, and
-    under a tracer (torch.compile) nothing is shared: the graph sees every move.
+    under a tracer (torch.compile) nothing is shared: the graph sees every move. Nor under
+    ``torch.inference_mode()``: an inference tensor has no version counter, so a change made
+    in place between two layers could not be seen; each layer moves its input itself.
     """
 
     __slots__ = ("source", "version", "key", "moved", "moved_version")
@@ -91,7 +93,7 @@ class _SharedMove:
 
     def reuse(self, value: torch.Tensor, key: tuple) -> DTensor | None:
         source, moved = self.source, self.moved
-        if source is None or source() is not value or self.version != value._version or self.key != key:
+        if source is None or value.is_inference() or source() is not value or self.version != value._version or self.key != key:
             return None
         moved = moved()
         if moved is None or moved._version != self.moved_version or tracing():
@@ -99,7 +101,7 @@ class _SharedMove:
         return moved
 
     def remember(self, value: torch.Tensor, key: tuple, moved: DTensor) -> None:
-        if moved is value or tracing():
+        if moved is value or tracing() or value.is_inference() or moved.is_inference():
             return
         self.source, self.version, self.key = weakref.ref(value), value._version, key
         self.moved, self.moved_version = weakref.ref(moved), moved._version
