@@ -1,0 +1,149 @@
+"""``async_save``: save a checkpoint while training goes on.
+
+The call does, on the calling thread, what needs every rank in step or the live tensors:
+waiting for the previous save, validating the state dict, rank 0 preparing the tmp directory,
+the one exchange that assigns writers, and copying this rank's blocks to host buffers
+(``staging``). It returns an ``AsyncSave``; a thread then writes this rank's file, exchanges
+the chunk records, and rank 0 commits, exactly as ``save`` does (``writer``). The thread's
+exchanges go over a gloo group of the checkpoint's own (``group.checkpoint_world``), created
+up front by the first call, so they never interleave with the training thread's collectives.
+
+At most one save is in flight per process: the next ``async_save`` or ``save`` (and
+``wait_for_pending_save``) waits for it first. A save that fails in the thread fails on
+every rank (the same ``agree`` as ``save``), rank 0 removes its tmp directory, and the
+previous checkpoint is intact; the error is raised by ``result()``, or else by that next call.
+See docs/checkpoints.md, "Asynchronous saves, retention and bad storage".
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable, Mapping
+
+import torch
+
+from shardwise.checkpoint import commit as commit_
+from shardwise.checkpoint.assignment import Proposal
+from shardwise.checkpoint.errors import CheckpointError
+from shardwise.checkpoint.group import World, checkpoint_world
+from shardwise.checkpoint.staging import HostBuffers, Staged
+from shardwise.checkpoint.writer import (
+    DEFAULT_MAX_CHUNK_BYTES, Declared, LocalState, create_tmp, local_state, plan_writers, write_and_commit,
+)
+from shardwise.tensor.dtensor import DTensor
+
+__all__ = ["AsyncSave", "async_save", "wait_for_pending_save"]
+
+_BUFFERS = HostBuffers()
+_PENDING: list["AsyncSave"] = []  # the save in flight, if any (only the calling thread touches it)
+
+
+class AsyncSave:
+    """The future of one ``async_save``: ``done()``, and ``result()`` to wait and see its error."""
+
+    def __init__(self, path: str, work: Callable[[], None], cleanup: Callable[[], None]) -> None:
+        self.path = path
+        self._work, self._cleanup = work, cleanup
+        self._error: CheckpointError | None = None
+        self._reported = False
+        self._thread = threading.Thread(target=self._run, name="shardwise-checkpoint-writer")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._work()
+        except Exception as err:  # noqa: BLE001 - kept for result(); the thread must not die loudly
+            self._cleanup()
+            message = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+            self._error = CheckpointError(f"asynchronous save to {self.path} failed: {message}")
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return not self._thread.is_alive()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait for the save; raise its ``CheckpointError`` if it failed (on every rank).
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+            CheckpointError: the save failed; the previous checkpoint at ``path`` is intact.
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the asynchronous save to {self.path} is still running after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise CheckpointError(str(self._error))
+
+    def _settle(self) -> None:
+        """Wait; raise the error unless ``result()`` already raised it to the caller."""
+        self._thread.join()
+        if self._error is not None and not self._reported:
+            self.result()
+
+
+def wait_for_pending_save() -> None:
+    """Wait for this process's save in flight, if any; raise its error if none was raised yet.
+
+    Raises:
+        CheckpointError: the save in flight failed (on every rank, as the save itself would).
+    """
+    if _PENDING:
+        _PENDING.pop()._settle()
+
+
+def async_save(
+    state_dict: Mapping, path: str | os.PathLike, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> AsyncSave:
+    """Save ``state_dict`` to ``path`` like ``save``, returning once this rank's blocks are copied.
+
+    Collective over all ranks, like ``save``; the file writing and the atomic commit run on a
+    thread. The state dict's tensors may change as soon as this returns.
+
+    Args:
+        state_dict: as for ``save`` (DTensors, plain tensors, JSON scalars).
+        path: the checkpoint directory; an existing checkpoint there is replaced at the commit.
+        max_chunk_bytes: as for ``save``.
+
+    Returns:
+        An ``AsyncSave``; ``result()`` waits for the commit and raises the save's error.
+
+    Raises:
+        CheckpointError: bad input (before any collective), or the previous asynchronous save
+            failed and its error was not raised yet (on every rank).
+
+    Example:
+        >>> pending = async_save({"model": model.state_dict(), "step": 100}, "ckpt/step-100")
+        >>> ...                       # train on
+        >>> pending.result()          # or the next save waits for it
+    """
+    wait_for_pending_save()
+    path = os.fspath(path)
+    local = local_state(state_dict)
+    world = checkpoint_world()
+    token, error = create_tmp(path) if world.rank == 0 else (None, None)
+    try:
+        shared, written, merged = plan_writers(world, token, error, local)
+        staged = _BUFFERS.stage({p.fqn: _block(local, p.fqn) for p in written})
+    except BaseException:
+        if token is not None:
+            commit_.discard(path, token)
+        raise
+    copy = LocalState(dict(staged.blocks), local.values, local.declared, local.proposals)
+    pending = AsyncSave(path, lambda: _write(world, path, shared, copy, staged, written, merged, max_chunk_bytes),
+                        lambda: commit_.discard(path, shared) if world.rank == 0 else None)
+    _PENDING.append(pending)
+    return pending
+
+
+def _block(local: LocalState, fqn: str) -> torch.Tensor:
+    tensor = local.tensors[fqn]
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _write(world: World, path: str, token: str, local: LocalState, staged: Staged, written: list[Proposal],
+           merged: Declared, max_chunk_bytes: int) -> None:
+    """On the thread: wait for the host copies, then steps 3-4 of ``save``."""
+    staged.wait()
+    write_and_commit(world, path, token, local, written, merged, max_chunk_bytes)
