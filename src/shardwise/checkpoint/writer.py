@@ -168,7 +168,7 @@ def create_tmp(path: str) -> tuple[str | None, str | None]:
     except CheckpointError as err:
         return None, str(err)
     except OSError as err:  # reported to every rank by the next exchange
-        return None, storage_error("prepare", path, err) + " for saving"
+        return None, storage_error("prepare for saving", path, err)
     except Exception as err:  # noqa: BLE001 - reported to every rank by the next exchange
         return None, f"cannot prepare {path} for saving: {type(err).__name__}: {err}"
 

@@ -125,7 +125,7 @@ def latest_readable_checkpoint(directory: str) -> tuple[ResumePoint | None, list
             problems.append(str(err))
             continue
         return point, incomplete_after(directory, step) + problems
-    return None, incomplete_after(directory, -1) + problems
+    return None, problems
 
 
 def incomplete_after(directory: str, step: int) -> list[str]:
@@ -309,9 +309,10 @@ class DirectoryCheckpointer:
                 state.resume_warning = (f"skipped the newer checkpoint(s): {'; '.join(problems)}; "
                                         f"resumed from {step_dir(self.directory, step)} instead")
             return state.step
-        why = f": {'; '.join(problems)}" if problems else ""
-        raise CheckpointError(f"no checkpoint in {self.directory} loads (no step-<N> directory holds "
-                              f"{METADATA_FILE}, or none is readable){why}")
+        if not problems:
+            raise CheckpointError(f"no checkpoint in {self.directory} (no step-<N> directory holds {METADATA_FILE})")
+        older = f" (and the {len(problems) - 1} older checkpoint(s) fail too)" if len(problems) > 1 else ""
+        raise CheckpointError(problems[0] + older)
 
     def after_step(self, state: TrainState) -> None:
         periodic = self.every is not None and state.step % self.every == 0
