@@ -174,6 +174,35 @@ def test_permission_denied_names_the_file_on_every_rank(dist, tmp_path):
         assert (out["v1"], out["leftovers"]) == (True, [])
 
 
+def _staging_fails(base: str) -> dict:
+    """Rank 1 cannot copy its blocks to host memory: rank 0 must not wait for it forever."""
+    from shardwise.checkpoint import asynchronous
+
+    path = os.path.join(base, "ckpt")
+    ckpt.save(_state(1), path)
+    buffers = asynchronous._BUFFERS
+    if torch.distributed.get_rank() == 1:
+        asynchronous._BUFFERS = _NoMemory()  # type: ignore[assignment]
+    try:
+        error = _error_of(ckpt.async_save(_state(2), path).result)
+    finally:
+        asynchronous._BUFFERS = buffers
+    torch.distributed.barrier()
+    return {"error": error, "v1": _equal(_loaded(path), 1), "leftovers": glob.glob(glob.escape(path) + ".*")}
+
+
+class _NoMemory:
+    def stage(self, blocks):
+        raise RuntimeError("out of host memory")
+
+
+def test_a_rank_that_cannot_stage_fails_the_save_on_every_rank(dist, tmp_path):
+    for out in dist.run(2, _staging_fails, str(tmp_path)):
+        assert out["error"] == (f"asynchronous save to {tmp_path}/ckpt failed: copying the blocks to host memory "
+                                f"failed: RuntimeError: out of host memory (on rank 1)"), out["error"]
+        assert (out["v1"], out["leftovers"]) == (True, [])
+
+
 def _save_under_a_file(path: str) -> None:
     ckpt.async_save(_state(1), path)
 

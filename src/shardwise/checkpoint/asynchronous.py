@@ -125,16 +125,26 @@ def async_save(
     token, error = create_tmp(path) if world.rank == 0 else (None, None)
     try:
         shared, written, merged = plan_writers(world, token, error, local)
-        staged = _BUFFERS.stage({p.fqn: _block(local, p.fqn) for p in written})
     except BaseException:
         if token is not None:
             commit_.discard(path, token)
         raise
+    staged, failed = _stage(local, written)
     copy = LocalState(dict(staged.blocks), local.values, local.declared, local.proposals)
-    pending = AsyncSave(path, lambda: _write(world, path, shared, copy, staged, written, merged, max_chunk_bytes),
+    pending = AsyncSave(path, lambda: _write(world, path, shared, copy, staged, written, merged, max_chunk_bytes,
+                                             failed),
                         lambda: commit_.discard(path, shared) if world.rank == 0 else None)
     _PENDING.append(pending)
     return pending
+
+
+def _stage(local: LocalState, written: list[Proposal]) -> tuple[Staged, str | None]:
+    """This rank's blocks in host buffers, or why they could not be copied (out of memory):
+    the thread reports that to every rank at its first exchange, so no peer waits for us."""
+    try:
+        return _BUFFERS.stage({p.fqn: _block(local, p.fqn) for p in written}), None
+    except Exception as err:  # noqa: BLE001 - must reach the other ranks, not hang them
+        return Staged({}, None), f"copying the blocks to host memory failed: {type(err).__name__}: {err}"
 
 
 def _block(local: LocalState, fqn: str) -> torch.Tensor:
@@ -143,7 +153,7 @@ def _block(local: LocalState, fqn: str) -> torch.Tensor:
 
 
 def _write(world: World, path: str, token: str, local: LocalState, staged: Staged, written: list[Proposal],
-           merged: Declared, max_chunk_bytes: int) -> None:
+           merged: Declared, max_chunk_bytes: int, failed: str | None) -> None:
     """On the thread: wait for the host copies, then steps 3-4 of ``save``."""
     staged.wait()
-    write_and_commit(world, path, token, local, written, merged, max_chunk_bytes)
+    write_and_commit(world, path, token, local, written, merged, max_chunk_bytes, failed)
