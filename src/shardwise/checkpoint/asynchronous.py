@@ -140,7 +140,7 @@ def async_save(
 
 def _stage(local: LocalState, written: list[Proposal]) -> tuple[Staged, str | None]:
     """This rank's blocks in host buffers, or why they could not be copied (out of memory):
-    the thread reports that to every rank at its first exchange, so no peer waits for us."""
+    the thread reports that to every rank at its first exchange (``_write``)."""
     try:
         return _BUFFERS.stage({p.fqn: _block(local, p.fqn) for p in written}), None
     except Exception as err:  # noqa: BLE001 - must reach the other ranks, not hang them
@@ -154,6 +154,12 @@ def _block(local: LocalState, fqn: str) -> torch.Tensor:
 
 def _write(world: World, path: str, token: str, local: LocalState, staged: Staged, written: list[Proposal],
            merged: Declared, max_chunk_bytes: int, failed: str | None) -> None:
-    """On the thread: wait for the host copies, then steps 3-4 of ``save``."""
+    """On the thread: wait for the host copies, then steps 3-4 of ``save``.
+
+    The ranks first agree that every one has its copies: a rank that could not copy fails the
+    save everywhere, and no rank starts writing (crc32, file writes: CPU and memory bandwidth)
+    while a peer on the same machine is still copying, which would prolong that peer's stall,
+    the one every rank waits for at the next collective of training."""
     staged.wait()
-    write_and_commit(world, path, token, local, written, merged, max_chunk_bytes, failed)
+    world.agree(failed)
+    write_and_commit(world, path, token, local, written, merged, max_chunk_bytes)

@@ -114,11 +114,9 @@ def plan_writers(world: World, token: str | None, error: str | None,
 
 
 def write_and_commit(world: World, path: str, token: str, local: LocalState, written: list[Proposal],
-                     merged: Declared, max_chunk_bytes: int, failed: str | None = None) -> None:
-    """Steps 3-4: write this rank's file, exchange the chunk records, rank 0 commits. Two exchanges.
-
-    ``failed``: why this rank cannot write (reported to every rank in place of its records)."""
-    chunks = _exchange_chunks(world, path, token, local, written, max_chunk_bytes, failed)
+                     merged: Declared, max_chunk_bytes: int) -> None:
+    """Steps 3-4: write this rank's file, exchange the chunk records, rank 0 commits. Two exchanges."""
+    chunks = _exchange_chunks(world, path, token, local, written, max_chunk_bytes)
     error = _guarded(lambda: _finish(path, token, local, merged, chunks)) if world.rank == 0 else None
     world.agree(error)
 
@@ -185,13 +183,12 @@ def _exchange_proposals(world: World, token: str | None, error: str | None,
 
 
 def _exchange_chunks(
-    world: World, path: str, token: str, local: LocalState, written: list[Proposal], max_chunk_bytes: int,
-    failed: str | None = None,
+    world: World, path: str, token: str, local: LocalState, written: list[Proposal], max_chunk_bytes: int
 ) -> list[tuple[str, Chunk]]:
     """Write this rank's file; return every rank's chunk records (raising everywhere on error)."""
     records: list[tuple[str, Chunk]] = []
     file = f"__{world.rank}.safetensors"
-    error = failed or _guarded(lambda: records.extend(
+    error = _guarded(lambda: records.extend(
         _write_rank_file(commit_.tmp_dir(path, token), file, local, written, max_chunk_bytes, world.rank)))
     gathered = world.exchange((error, records))
     failed = [(rank, e) for rank, (e, _) in enumerate(gathered) if e is not None]
