@@ -61,10 +61,11 @@ On-disk format (version 1), readable without shardwise:
   ``zlib.crc32`` of that stored tensor's bytes. A tensor with no elements has no chunks.
 """
 
-from shardwise.checkpoint.asynchronous import AsyncSave, async_save, wait_for_pending_save
+from shardwise.checkpoint.asynchronous import async_save
 from shardwise.checkpoint.consolidation import consolidate
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import METADATA_FILE, Metadata
+from shardwise.checkpoint.pending import AsyncSave, wait_for_pending_save
 from shardwise.checkpoint.optimizer import load_optimizer_state_dict, optimizer_state_dict
 from shardwise.checkpoint.reader import load
 from shardwise.checkpoint.writer import DEFAULT_MAX_CHUNK_BYTES, save

@@ -10,7 +10,9 @@ Steps (all ranks; three small object exchanges, no tensor ever travels):
    computing each chunk's crc32, and fsyncs the file; ranks exchange the chunk records;
 4. rank 0 writes ``metadata.json`` (fsync'ed) and commits; ranks exchange the outcome.
 
-Any failure on any rank (disk full, permission) becomes one error on every rank. Whatever
+Any failure on any rank (disk full, permission) becomes one error on every rank, naming the
+file and the cause (``cannot write checkpoint file <path>: No space left on device (ENOSPC)``).
+``async_save`` (``asynchronous``) runs the same steps, 3 and 4 on a thread. Whatever
 ends a save early on rank 0 (such an error, a collective failing because a peer died,
 KeyboardInterrupt) removes the tmp directory; the previous checkpoint at ``path`` is never
 touched before the commit. Only a killed rank 0 leaves a tmp directory, which the next save
@@ -32,6 +34,7 @@ from shardwise.checkpoint.format import (
     METADATA_FILE, Chunk, Metadata, TensorEntry, chunk_key, crc32_of, dtype_to_name,
 )
 from shardwise.checkpoint.group import World, current_world
+from shardwise.checkpoint.pending import wait_for_pending_save
 from shardwise.checkpoint.assignment import Block, Proposal, assign_writers, full_block, merged_declarations, proposed_block, split_rows
 from shardwise.checkpoint.safetensors_io import TensorSlot, write_file
 from shardwise.tensor.dtensor import DTensor
@@ -82,8 +85,6 @@ def save(
         return save_dcp(state_dict, path)
     if format != "shardwise":
         raise ValueError(f"save: format must be 'shardwise' or 'dcp', got {format!r}")
-    from shardwise.checkpoint.asynchronous import wait_for_pending_save
-
     wait_for_pending_save()  # at most one save in flight: an asynchronous one finishes first
     path = os.fspath(path)
     local = local_state(state_dict)
