@@ -17,7 +17,11 @@ Both libraries get DTensors (shardwise's and torch.distributed.tensor's) over th
 blocks, and save to / load from a fresh directory each time (each fsyncs its files). Reported,
 per model and layout: median save and load wall time over --reps (barrier before and after;
 the slowest rank's time), bytes written per rank (the files each rank wrote; rank 0 also
-writes the metadata), and the ratios ours/torch. Loads go into zero-filled targets of the same
+writes the metadata), and the ratios ours/torch. Then the time training is blocked per save:
+the synchronous save (``save`` / ``dcp.save``) against the asynchronous one's call
+(``async_save`` / ``dcp.async_save``, each on a gloo group of its own), which returns once the
+blocks are staged in host memory, with the asynchronous save's total time to its commit
+(``result()``); blocked/sync is the fraction of a synchronous save's stall that remains. Loads go into zero-filled targets of the same
 layout and are checked against the saved blocks; a mismatch is printed as WRONG (exit 3).
 """
 
@@ -214,14 +218,58 @@ class Measure:
     load_s: float
     bytes_per_rank: list[int]
     correct: bool
+    blocked_s: float = 0.0  # the asynchronous save's call: how long training waits
+    async_total_s: float = 0.0  # the asynchronous save from its call to its commit
 
 
-def measure(blocks: dict[str, Block], meshes: dict[str, object], base: str, reps: int, tag: str) -> dict[str, Measure]:
+def _async_save(lib: str, state: dict, path: str, group):
+    """Start an asynchronous save; return what to wait on (``result()``)."""
+    if lib == "shardwise":
+        import shardwise.checkpoint as ckpt
+
+        return ckpt.async_save(state, path)
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(state, checkpoint_id=path, process_group=group)
+
+
+def _async_times(lib: str, state: dict, path: str, group) -> tuple[float, float]:
+    """(blocked s, total s) of one asynchronous save, the slowest rank's each."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    pending = _async_save(lib, state, path, group)
+    blocked = time.perf_counter() - t0
+    pending.result()
+    total = time.perf_counter() - t0
+    times = torch.tensor([blocked, total], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return float(times[0]), float(times[1])
+
+
+def warm_up_async(meshes: dict[str, object], base: str, group) -> None:
+    """One small asynchronous save per library: the groups, threads and imports are not timed."""
+    import torch
+
+    for lib, mesh in meshes.items():
+        block = Block((4,), "R", torch.zeros(4))
+        _async_times(lib, build_state(lib, {"param:w": block}, mesh, zeros=False), os.path.join(base, f"warm-{lib}"),
+                     group)
+
+
+def measure(blocks: dict[str, Block], meshes: dict[str, object], base: str, reps: int, tag: str,
+            group=None) -> dict[str, Measure]:
     """Both libraries, repetitions interleaved (the order alternates) so neither gets a warmer disk."""
     import torch.distributed as dist
 
     sources = {lib: build_state(lib, blocks, mesh, zeros=False) for lib, mesh in meshes.items()}
     times: dict[str, tuple[list, list]] = {lib: ([], []) for lib in meshes}
+    async_times: dict[str, list[tuple[float, float]]] = {lib: [] for lib in meshes}
     written, correct = {lib: 0 for lib in meshes}, {lib: True for lib in meshes}
     for rep in range(reps):
         order = list(meshes) if rep % 2 == 0 else list(reversed(meshes))
@@ -231,10 +279,13 @@ def measure(blocks: dict[str, Block], meshes: dict[str, object], base: str, reps
             times[lib][0].append(save_s)
             times[lib][1].append(load_s)
             correct[lib] &= ok
+            async_times[lib].append(_async_times(lib, sources[lib], path + "-async", group))
     gathered = [None] * NPROC
     dist.all_gather_object(gathered, (written, correct))
     return {lib: Measure(statistics.median(times[lib][0]), statistics.median(times[lib][1]),
-                         [w[lib] for w, _ in gathered], all(c[lib] for _, c in gathered))
+                         [w[lib] for w, _ in gathered], all(c[lib] for _, c in gathered),
+                         statistics.median(b for b, _ in async_times[lib]),
+                         statistics.median(t for _, t in async_times[lib]))
             for lib in meshes}
 
 
@@ -274,6 +325,12 @@ def _report(model: str, layout: str, n_params: int, results: dict[str, Measure])
                      f"{_fmt_bytes(sum(m.bytes_per_rank))}{flag}")
     lines.append(f"  ratio ours/torch: bytes {ratio_bytes:.3f}x, save+load time {ratio_time:.2f}x "
                  f"(save {ours.save_s / theirs.save_s:.2f}x, load {ours.load_s / theirs.load_s:.2f}x)")
+    for lib, m in results.items():
+        lines.append(f"  {lib:9s}: blocked per save: sync {m.save_s:7.3f} s, async {m.blocked_s:7.3f} s "
+                     f"({m.blocked_s / m.save_s:.3f}x of sync; the async save commits after {m.async_total_s:.3f} s)")
+    lines.append(f"BLOCKED {model} {layout}: ours_sync={ours.save_s:.4f} ours_async={ours.blocked_s:.4f} "
+                 f"ours_ratio={ours.blocked_s / ours.save_s:.4f} torch_sync={theirs.save_s:.4f} "
+                 f"torch_async={theirs.blocked_s:.4f} torch_ratio={theirs.blocked_s / theirs.save_s:.4f}")
     lines.append(f"RESULT {model} {layout}: bytes_ratio={ratio_bytes:.4f} time_ratio={ratio_time:.4f} "
                  f"ours_save={ours.save_s:.4f} ours_load={ours.load_s:.4f} "
                  f"torch_save={theirs.save_s:.4f} torch_load={theirs.load_s:.4f} "
@@ -301,14 +358,16 @@ def worker() -> int:
     if rank == 0:
         os.makedirs(base, exist_ok=True)
     dist.barrier()
+    group = dist.new_group(backend="gloo")  # torch's async_save: its checkpoint traffic off the default group
     all_ok = True
     try:
+        warm_up_async({"shardwise": sw_mesh, "torch": t_mesh}, base, group)
         for model in args.models:
             n_params = sum(_numel(s) for s, _ in param_shapes(model).values())
             for layout in args.layouts:
                 blocks = local_blocks(model, layout, rank)
                 meshes = {"shardwise": sw_mesh, "torch": t_mesh}
-                results = measure(blocks, meshes, base, args.reps, f"{model}-{layout}")
+                results = measure(blocks, meshes, base, args.reps, f"{model}-{layout}", group)
                 all_ok &= all(m.correct for m in results.values())
                 if rank == 0:
                     print("\n".join(_report(model, layout, n_params, results)), flush=True)

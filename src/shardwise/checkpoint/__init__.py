@@ -33,6 +33,9 @@ Semantics:
   ``.metadata``; torchtitan's and torch's FSDP/TP checkpoints) and a Hugging Face sharded
   checkpoint (a directory with ``model.safetensors.index.json``), resharding either into the
   target; ``save(..., format="dcp")`` writes one torch's ``dcp.load`` reads (``shardwise.interop``).
+* ``async_save`` saves the same checkpoint while training goes on: it returns once this
+  rank's blocks are copied to host buffers, and a thread writes and commits (``asynchronous``).
+  One save is in flight at a time; the next save waits for it and raises its error.
 * Saving is atomic (see ``commit``): files go to ``<path>.tmp-<token>``, are fsync'ed, rank 0
   writes ``metadata.json`` last and renames the directory into place; a previous checkpoint at
   ``path`` is moved aside just before and removed after. A crash at any point leaves the
@@ -58,14 +61,16 @@ On-disk format (version 1), readable without shardwise:
   ``zlib.crc32`` of that stored tensor's bytes. A tensor with no elements has no chunks.
 """
 
+from shardwise.checkpoint.asynchronous import async_save
 from shardwise.checkpoint.consolidation import consolidate
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.format import METADATA_FILE, Metadata
+from shardwise.checkpoint.pending import AsyncSave, wait_for_pending_save
 from shardwise.checkpoint.optimizer import load_optimizer_state_dict, optimizer_state_dict
 from shardwise.checkpoint.reader import load
 from shardwise.checkpoint.writer import DEFAULT_MAX_CHUNK_BYTES, save
 
 __all__ = [
-    "save", "load", "consolidate", "CheckpointError", "optimizer_state_dict",
+    "save", "async_save", "AsyncSave", "wait_for_pending_save", "load", "consolidate", "CheckpointError", "optimizer_state_dict",
     "load_optimizer_state_dict", "Metadata", "METADATA_FILE", "DEFAULT_MAX_CHUNK_BYTES",
 ]

@@ -4,6 +4,13 @@
 like torch.distributed.checkpoint). Their only communication is exchanging small Python
 objects (block lists, checksums, error messages) through ``shardwise.comm``; tensor data
 never travels between ranks. Without an initialized process group they run as a world of one.
+
+``async_save`` exchanges the same objects on a gloo group of its own (``checkpoint_world``),
+created once per default group, collectively, the first time every rank calls it. Its writing
+thread then never shares a group with the training thread, whose collectives it would
+otherwise interleave with in an order that differs between ranks (a hang or a wrong result).
+That group is used outside ``shardwise.comm`` on purpose: comm numbers and records every
+collective of the training thread, and a thread of checkpoint traffic must not touch them.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from shardwise import comm
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.core.mesh import DeviceMesh
 
-__all__ = ["World", "current_world"]
+__all__ = ["World", "current_world", "checkpoint_world"]
 
 
 @dataclass(frozen=True)
@@ -27,9 +34,14 @@ class World:
     rank: int
     size: int
     mesh: DeviceMesh | None
+    group: dist.ProcessGroup | None = None  # a group of the checkpoint's own (checkpoint_world)
 
     def exchange(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (also a barrier)."""
+        if self.group is not None:
+            out: list[Any] = [None] * self.size
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
         if self.mesh is None:
             return [obj]
         return comm.all_gather_object(obj, self.mesh, 0)
@@ -51,3 +63,21 @@ def current_world() -> World:
     size = dist.get_world_size()
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return World(dist.get_rank(), size, DeviceMesh(device, list(range(size))))
+
+
+# The default group the checkpoint group was made for (held, so its id is never reused), and it.
+_SIDE: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
+
+
+def checkpoint_world() -> World:
+    """The world over a gloo group used only by checkpoints (collective the first time per
+    default group: every rank must call it at the same point); alone, a world of one."""
+    world = current_world()
+    if world.mesh is None:
+        return world
+    default = dist.group.WORLD
+    if not _SIDE or _SIDE[0][0] is not default:
+        from shardwise.comm.timeout import collective_timeout
+
+        _SIDE[:] = [(default, dist.new_group(backend="gloo", timeout=collective_timeout()))]
+    return World(world.rank, world.size, None, _SIDE[0][1])

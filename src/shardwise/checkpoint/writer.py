@@ -10,7 +10,9 @@ Steps (all ranks; three small object exchanges, no tensor ever travels):
    computing each chunk's crc32, and fsyncs the file; ranks exchange the chunk records;
 4. rank 0 writes ``metadata.json`` (fsync'ed) and commits; ranks exchange the outcome.
 
-Any failure on any rank (disk full, permission) becomes one error on every rank. Whatever
+Any failure on any rank (disk full, permission) becomes one error on every rank, naming the
+file and the cause (``cannot write checkpoint file <path>: No space left on device (ENOSPC)``).
+``async_save`` (``asynchronous``) runs the same steps, 3 and 4 on a thread. Whatever
 ends a save early on rank 0 (such an error, a collective failing because a peer died,
 KeyboardInterrupt) removes the tmp directory; the previous checkpoint at ``path`` is never
 touched before the commit. Only a killed rank 0 leaves a tmp directory, which the next save
@@ -26,23 +28,26 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from shardwise.checkpoint import commit as commit_
-from shardwise.checkpoint.errors import CheckpointError
+from shardwise.checkpoint.errors import CheckpointError, storage_error
 from shardwise.checkpoint.flatten import flatten
 from shardwise.checkpoint.format import (
     METADATA_FILE, Chunk, Metadata, TensorEntry, chunk_key, crc32_of, dtype_to_name,
 )
 from shardwise.checkpoint.group import World, current_world
+from shardwise.checkpoint.pending import wait_for_pending_save
 from shardwise.checkpoint.assignment import Block, Proposal, assign_writers, full_block, merged_declarations, proposed_block, split_rows
 from shardwise.checkpoint.safetensors_io import TensorSlot, write_file
 from shardwise.tensor.dtensor import DTensor
 
 __all__ = ["save", "DEFAULT_MAX_CHUNK_BYTES"]
+# Shared with ``asynchronous`` (which runs the same steps, the writing ones on a thread):
+# LocalState, local_state, create_tmp, plan_writers, write_and_commit.
 
 DEFAULT_MAX_CHUNK_BYTES = 4 << 20  # a chunk (row slab) is the unit of checksum and of reading
 
 
 @dataclass(frozen=True)
-class _LocalState:
+class LocalState:
     """What this rank saves: tensors with their local blocks, values, and its proposals."""
 
     tensors: dict[str, torch.Tensor]
@@ -80,12 +85,14 @@ def save(
         return save_dcp(state_dict, path)
     if format != "shardwise":
         raise ValueError(f"save: format must be 'shardwise' or 'dcp', got {format!r}")
+    wait_for_pending_save()  # at most one save in flight: an asynchronous one finishes first
     path = os.fspath(path)
-    local = _local_state(state_dict)
+    local = local_state(state_dict)
     world = current_world()
-    token, error = _create_tmp(path) if world.rank == 0 else (None, None)
+    token, error = create_tmp(path) if world.rank == 0 else (None, None)
     try:
-        _save_into_tmp(world, path, token, error, local, max_chunk_bytes)
+        shared, written, merged = plan_writers(world, token, error, local)  # rank 0's token, on every rank
+        write_and_commit(world, path, shared, local, written, merged, max_chunk_bytes)
     except BaseException:
         # Whatever stops the save (an error reported by any rank, a collective failing because
         # a peer died, Ctrl-C), rank 0 removes the tmp directory it created; after a commit
@@ -95,18 +102,27 @@ def save(
         raise
 
 
-def _save_into_tmp(world: World, path: str, token: str | None, error: str | None, local: _LocalState,
-                   max_chunk_bytes: int) -> None:
-    """Steps 2-4 of the module docstring, after rank 0 tried to create the tmp directory."""
+Declared = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def plan_writers(world: World, token: str | None, error: str | None,
+                 local: LocalState) -> tuple[str, list[Proposal], Declared]:
+    """Step 2, after rank 0 tried to create the tmp directory: (the save's token, the blocks this
+    rank writes, every rank's tensors merged). One exchange."""
     token, declared, proposals = _exchange_proposals(world, token, error, local)
     written = assign_writers(declared, proposals)[world.rank]
+    return token, written, merged_declarations(declared)  # ranks may save different keys (pipeline stages)
+
+
+def write_and_commit(world: World, path: str, token: str, local: LocalState, written: list[Proposal],
+                     merged: Declared, max_chunk_bytes: int) -> None:
+    """Steps 3-4: write this rank's file, exchange the chunk records, rank 0 commits. Two exchanges."""
     chunks = _exchange_chunks(world, path, token, local, written, max_chunk_bytes)
-    merged = merged_declarations(declared)  # ranks may save different keys (pipeline stages)
     error = _guarded(lambda: _finish(path, token, local, merged, chunks)) if world.rank == 0 else None
     world.agree(error)
 
 
-def _local_state(state_dict: Mapping) -> _LocalState:
+def local_state(state_dict: Mapping) -> LocalState:
     """Flatten and validate; this rank's proposals. Raises before any collective."""
     tensors, values, declared, proposals = {}, {}, {}, []
     for key, leaf in flatten(state_dict).items():
@@ -119,7 +135,7 @@ def _local_state(state_dict: Mapping) -> _LocalState:
         declared[key] = (dtype, tuple(leaf.shape))
         if block is not None:
             proposals.append(Proposal(key, dtype, tuple(leaf.shape), block))
-    return _LocalState(tensors, values, declared, proposals)
+    return LocalState(tensors, values, declared, proposals)
 
 
 def _proposal_block(key: str, tensor: torch.Tensor) -> Block | None:
@@ -146,18 +162,20 @@ def _guarded(fn) -> Any:
     return None
 
 
-def _create_tmp(path: str) -> tuple[str | None, str | None]:
+def create_tmp(path: str) -> tuple[str | None, str | None]:
     """Rank 0: (token of the new tmp directory, None), or (None, why it could not be created)."""
     try:
         return commit_.prepare(path), None
     except CheckpointError as err:
         return None, str(err)
+    except OSError as err:  # reported to every rank by the next exchange
+        return None, storage_error("prepare for saving", path, err)
     except Exception as err:  # noqa: BLE001 - reported to every rank by the next exchange
         return None, f"cannot prepare {path} for saving: {type(err).__name__}: {err}"
 
 
 def _exchange_proposals(world: World, token: str | None, error: str | None,
-                        local: _LocalState) -> tuple[str, list, list]:
+                        local: LocalState) -> tuple[str, list, list]:
     """Every rank learns rank 0's token (or its error) and all ranks' proposals."""
     gathered = world.exchange((token, error, local.declared, local.proposals))
     if gathered[0][1] is not None:
@@ -166,7 +184,7 @@ def _exchange_proposals(world: World, token: str | None, error: str | None,
 
 
 def _exchange_chunks(
-    world: World, path: str, token: str, local: _LocalState, written: list[Proposal], max_chunk_bytes: int
+    world: World, path: str, token: str, local: LocalState, written: list[Proposal], max_chunk_bytes: int
 ) -> list[tuple[str, Chunk]]:
     """Write this rank's file; return every rank's chunk records (raising everywhere on error)."""
     records: list[tuple[str, Chunk]] = []
@@ -182,7 +200,7 @@ def _exchange_chunks(
 
 
 def _write_rank_file(
-    directory: str, file: str, local: _LocalState, written: list[Proposal], max_chunk_bytes: int, rank: int
+    directory: str, file: str, local: LocalState, written: list[Proposal], max_chunk_bytes: int, rank: int
 ) -> list[tuple[str, Chunk]]:
     """Stream this rank's slabs into ``directory/file``; return (key, chunk record) pairs."""
     slabs = [(p, slab) for p in written for slab in split_rows(p.block, _itemsize(local, p.fqn), max_chunk_bytes)]
@@ -190,18 +208,22 @@ def _write_rank_file(
         return []
     slots = [TensorSlot(chunk_key(p.fqn, s.offsets), p.dtype, s.sizes) for p, s in slabs]
     crcs: list[int] = []
-    write_file(os.path.join(directory, file), slots, _slab_tensors(local, slabs, crcs, rank))
+    target = os.path.join(directory, file)
+    try:
+        write_file(target, slots, _slab_tensors(local, slabs, crcs, rank))
+    except OSError as err:
+        raise CheckpointError(storage_error("write checkpoint file", target, err)) from None
     commit_.fault_point("after_write", rank)
     return [(p.fqn, Chunk(s.offsets, s.sizes, file, slot.key, crc))
             for (p, s), slot, crc in zip(slabs, slots, crcs)]
 
 
-def _itemsize(local: _LocalState, fqn: str) -> int:
+def _itemsize(local: LocalState, fqn: str) -> int:
     return local.tensors[fqn].element_size()
 
 
 def _slab_tensors(
-    local: _LocalState, slabs: list[tuple[Proposal, Block]], crcs: list[int], rank: int
+    local: LocalState, slabs: list[tuple[Proposal, Block]], crcs: list[int], rank: int
 ) -> Iterator[torch.Tensor]:
     """Each slab as a contiguous CPU tensor (a view when possible), recording its crc32."""
     for p, slab in slabs:
@@ -218,7 +240,7 @@ def _local_block(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def _finish(path: str, token: str, local: _LocalState, declared: dict[str, tuple[str, tuple[int, ...]]],
+def _finish(path: str, token: str, local: LocalState, declared: dict[str, tuple[str, tuple[int, ...]]],
             chunks: list[tuple[str, Chunk]]) -> None:
     """Rank 0: write metadata.json last (fsync'ed), then commit the directory.
 
@@ -234,8 +256,15 @@ def _finish(path: str, token: str, local: _LocalState, declared: dict[str, tuple
     text = Metadata(tensors, local.values).to_json()
     tmp = commit_.tmp_dir(path, token)
     commit_.fault_point("before_metadata", 0)
-    with open(os.path.join(tmp, METADATA_FILE), "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    commit_.commit(path, token, 0)
+    target = os.path.join(tmp, METADATA_FILE)
+    try:
+        with open(target, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise CheckpointError(storage_error("write", target, err)) from None
+    try:
+        commit_.commit(path, token, 0)
+    except OSError as err:
+        raise CheckpointError(storage_error("commit checkpoint", path, err)) from None

@@ -173,7 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--resume", action="store_true",
                       help="continue from the latest committed checkpoint in --checkpoint-dir (highest step-<N> "
                            "holding metadata.json, or torch.distributed.checkpoint's .metadata) in this run's parallel layout and world size; needs the saving "
-                           "run's --config and --seed")
+                           "run's --config and --seed; a damaged newer checkpoint is skipped with a warning")
+    ckpt.add_argument("--checkpoint-async", action="store_true",
+                      help="save in the background: a step waits only while this rank's blocks are copied to host "
+                           "memory; the next save and the end of the run wait for the write and commit")
+    ckpt.add_argument("--checkpoint-keep", type=int, metavar="K", default=d.checkpoint_keep,
+                      help="keep the newest K committed checkpoints, removing older ones (default: keep all)")
     return p
 
 

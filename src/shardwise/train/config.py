@@ -18,11 +18,10 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from shardwise.checkpoint.errors import CheckpointError
 from shardwise.debug.explain import Detail
 from shardwise.launch.launcher import under_launcher
 from shardwise.parallel.dims import ParallelDims
-from shardwise.train.checkpointing import ResumePoint, latest_checkpoint
+from shardwise.train.checkpointing import ResumePoint, latest_readable_checkpoint
 from shardwise.train.data import corpus_files
 from shardwise.train.errors import ConfigError
 from shardwise.train.run_lock import RunLockError, check_not_in_use
@@ -94,6 +93,8 @@ class JobConfig:
         checkpoint_dir: save checkpoints to ``<checkpoint_dir>/step-<N>`` (see ``checkpointing.py``):
             every ``checkpoint_every`` steps (None: only at the end of the run) and at its end.
         resume: continue from the latest checkpoint in ``checkpoint_dir`` (any layout).
+        checkpoint_async: save in the background (``shardwise.checkpoint.async_save``).
+        checkpoint_keep: keep the newest K committed checkpoints (None: all).
         stop_after: end this run after this step (None: after ``steps``); the schedule still
             spans ``steps``, so a resumed run continues the same schedule.
         collective_timeout: seconds after which a collective that has not completed fails,
@@ -132,6 +133,8 @@ class JobConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     resume: bool = False
+    checkpoint_async: bool = False
+    checkpoint_keep: int | None = None
     stop_after: int | None = None
     collective_timeout: float = 120.0
     explain: Detail | None = None
@@ -348,8 +351,11 @@ class JobConfig:
             raise ConfigError(f"--checkpoint-every must be > 0, got {self.checkpoint_every}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ConfigError(f"--stop-after must be between 1 and --steps {self.steps}, got {self.stop_after}")
+        if self.checkpoint_keep is not None and self.checkpoint_keep < 1:
+            raise ConfigError(f"--checkpoint-keep must be > 0, got {self.checkpoint_keep}")
         used = [f for f, on in (("--checkpoint-every", self.checkpoint_every is not None),
-                                ("--resume", self.resume)) if on]
+                                ("--resume", self.resume), ("--checkpoint-async", self.checkpoint_async),
+                                ("--checkpoint-keep", self.checkpoint_keep is not None)) if on]
         if used and not self.checkpoint_dir:
             raise ConfigError(f"{' and '.join(used)} {'need' if len(used) > 1 else 'needs'} --checkpoint-dir")
         if not self.checkpoint_dir:
@@ -378,10 +384,11 @@ class JobConfig:
             raise ConfigError(str(err)) from None
 
     def _latest_checkpoint(self) -> ResumePoint | None:
-        try:
-            return latest_checkpoint(self.checkpoint_dir)
-        except CheckpointError as err:
-            raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir!r}: {err}") from None
+        """The newest checkpoint whose metadata reads (``--resume`` skips damaged newer ones)."""
+        point, problems = latest_readable_checkpoint(self.checkpoint_dir)
+        if point is None and problems:
+            raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir!r}: {'; '.join(problems)}")
+        return point
 
     def _check_resume(self, point: ResumePoint | None) -> None:
         """A checkpoint to resume from, saved by a run of the same model and data order."""

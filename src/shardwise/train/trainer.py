@@ -349,7 +349,8 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, job.warmup, job.steps))
     state = TrainState(model, optimizer, scheduler, seed=job.seed, schedule_steps=job.steps, config=job.config,
                        param_names=names)
-    checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.last_step, job.resume)
+    checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.last_step, job.resume,
+                                     asynchronous=job.checkpoint_async, keep=job.checkpoint_keep)
     first = _restore(job, runtime, checkpointer, state)
     data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
     metrics = RunMetrics(job.global_batch * job.seq_len, job.steps, runtime.loss_mesh, runtime.flat_mesh,
@@ -371,10 +372,12 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
         scheduler.step()
         state.step = step + 1
         if _check_due(job, state.step) and (bad := finite.first_bad()) is not None:
+            checkpointer.finish()  # a save in flight is of a finite step: let it commit
             raise NonFiniteLoss(bad, job.lr)
         checkpointer.after_step(state)
         if state.step % job.log_every == 0 or state.step == job.last_step:
             metrics.flush(state.step)
+    checkpointer.finish()
     progress.finished = True
     return metrics
 
@@ -438,6 +441,8 @@ def _restore(job: JobConfig, runtime: Runtime, checkpointer: Checkpointer, state
     except CheckpointError as err:
         raise ConfigError(f"--resume: {err}") from None
     saved = state.resumed_from
+    if state.resume_warning:
+        _say(runtime, f"warning: --resume: {state.resume_warning}")
     if saved is not None:
         _say(runtime, f"resumed from {saved['path']} at step {first}")
         if saved["steps"] != job.steps:
