@@ -48,7 +48,7 @@ from shardwise import comm
 from shardwise.tensor import random as sw_random
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.tensor.clip_grad import clip_grad_norm_
-from shardwise.launch.worker import interrupt_context
+from shardwise.launch.worker import interrupt_context, restart_count
 from shardwise.launch.launcher import close_process_group, under_launcher
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.pipeline_parallel.pipeline import share_loss
@@ -349,7 +349,7 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, job.warmup, job.steps))
     state = TrainState(model, optimizer, scheduler, seed=job.seed, schedule_steps=job.steps, config=job.config,
                        param_names=names)
-    checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.last_step, job.resume)
+    checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.last_step, _resumes(job))
     first = _restore(job, runtime, checkpointer, state)
     data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
     metrics = RunMetrics(job.global_batch * job.seq_len, job.steps, runtime.loss_mesh, runtime.flat_mesh,
@@ -427,6 +427,24 @@ def _measured(job: JobConfig, runtime: Runtime, metrics: RunMetrics, index: int,
                         metrics.keep_step_measurement)
 
 
+def _resumes(job: JobConfig) -> bool:
+    """Whether this run starts from a checkpoint: ``--resume``, or a run that may be restarted
+    (``JobConfig.resumes_by_itself``) whose directory holds one. Every rank reads the same
+    directory, which nothing writes to before the first step, so all agree."""
+    if job.resume or not (job.resumes_by_itself and job.checkpoint_dir):
+        return job.resume
+    try:
+        return latest_checkpoint(job.checkpoint_dir) is not None
+    except CheckpointError:
+        return True  # unreadable: loading it says what is wrong, on every rank
+
+
+def _restart_note() -> str:
+    """`` (restart 2 of 3)`` in a restarted worker, else ''."""
+    count, most = restart_count()
+    return f" (restart {count} of {most})" if count else ""
+
+
 def _restore(job: JobConfig, runtime: Runtime, checkpointer: Checkpointer, state: TrainState) -> int:
     """Load the latest checkpoint when resuming; return the first step to run (its data position).
 
@@ -438,8 +456,10 @@ def _restore(job: JobConfig, runtime: Runtime, checkpointer: Checkpointer, state
     except CheckpointError as err:
         raise ConfigError(f"--resume: {err}") from None
     saved = state.resumed_from
+    if saved is None and restart_count()[0]:
+        _say(runtime, f"starting at step 0{_restart_note()}: no checkpoint saved yet")
     if saved is not None:
-        _say(runtime, f"resumed from {saved['path']} at step {first}")
+        _say(runtime, f"resumed from {saved['path']} at step {first}{_restart_note()}")
         if saved["steps"] != job.steps:
             _say(runtime, f"note: the checkpoint was saved by a run of --steps {saved['steps']}; the learning-rate "
                           f"schedule now spans --steps {job.steps}, so this does not continue either run exactly "
