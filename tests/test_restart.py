@@ -27,15 +27,15 @@ from safetensors import safe_open
 import shardwise.checkpoint as dcp
 from shardwise.launch import launcher
 from shardwise.launch.worker import LAUNCHER_PID_ENV, REPORT_KEY, restart_count
-from tests.helpers import fake_checkpoint, refusal_in_launcher
+from tests.helpers import fake_checkpoint, refusal_in_launcher, with_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAOS = str(ROOT / "tests" / "jobs" / "train_chaos.py")
 TRAIN = [sys.executable, "-m", "shardwise.train"]
-STEPS = 20
+STEPS = 12
 TINY = ["--config", "tiny", "--global-batch", "4", "--seq-len", "16", "--warmup", "2", "--seed", "3",
         "--steps", str(STEPS), "--log-every", "1000", "--device", "cpu"]
-EVERY = ["--checkpoint-every", "5"]
+EVERY = ["--checkpoint-every", "4"]
 JOB_TIMEOUT_S = 300.0  # a loaded 2-core machine; the chaos run takes ~30 s when idle
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", LAUNCHER_PID_ENV)
@@ -82,6 +82,8 @@ def _assert_same_checkpoint(got: Path, want: Path, scratch: Path) -> None:
     want_tensors, want_values = _checkpoint(want, scratch)
     assert sorted(got_tensors) == sorted(want_tensors)
     assert any(k.startswith("optimizer.") for k in got_tensors) and any(k.startswith("model.") for k in got_tensors)
+    biases = [k for k in got_tensors if k.endswith("expert_bias")]
+    assert all(got_tensors[k].abs().sum() > 0 for k in biases), "the load-balancing bias never moved"
     differ = [k for k in want_tensors if not torch.equal(got_tensors[k], want_tensors[k])]
     assert not differ, f"tensors not bit-identical to the uninterrupted run's: {differ}"
     assert got_values == want_values
@@ -96,49 +98,51 @@ def _losses(path: Path) -> tuple[list[float], list[float]]:
 # ---------------------------------------------------------------------- the chaos test
 @pytest.mark.e2e
 def test_ranks_killed_three_times_restart_and_end_bit_identical_to_the_uninterrupted_run(tmp_path):
-    """4 ranks (FSDP 2 x TP 2), a checkpoint every 5 of 20 steps; SIGKILL of rank 1 at step 3
-    (before any checkpoint: the restart starts at step 0), rank 3 at step 9, rank 0 at step 14."""
-    layout = ["--nproc", "4", "--dp-shard", "2", "--tp", "2"]
+    """The MoE family (its load-balancing bias is state too) on 2 ranks, FSDP with the experts
+    split over them; a checkpoint every 4 of 12 steps; SIGKILL of rank 1 at step 3 (before any
+    checkpoint: the restart starts at step 0), rank 0 at step 6, rank 1 at step 10."""
+    layout = ["--nproc", "2", "--ep", "2", "--family", "moe"]
     os.makedirs(tmp_path / "fired")
-    whole = _start([*TRAIN, *layout, *TINY, *EVERY, "--checkpoint-dir", str(tmp_path / "whole"),
+    tiny_moe = [*layout, *with_config(TINY, "tiny_moe"), *EVERY]
+    whole = _start([*TRAIN, *tiny_moe, "--checkpoint-dir", str(tmp_path / "whole"),
                     "--metrics-file", str(tmp_path / "whole.json")])
-    chaos = _start([sys.executable, CHAOS, *layout, *TINY, *EVERY, "--checkpoint-dir", str(tmp_path / "ckpt"),
+    chaos = _start([sys.executable, CHAOS, *tiny_moe, "--checkpoint-dir", str(tmp_path / "ckpt"),
                     "--max-restarts", "3", "--metrics-file", str(tmp_path / "chaos.json")],
-                   CHAOS="kill:1:3,kill:3:9,kill:0:14", CHAOS_DIR=str(tmp_path / "fired"))
+                   CHAOS="kill:1:3,kill:0:6,kill:1:10", CHAOS_DIR=str(tmp_path / "fired"))
     _succeeded(whole)
     out, err = _succeeded(chaos)
 
     restarts = [line for line in err.splitlines() if line.startswith("restart ")]
     assert [re.sub(r" \(out of memory.*", "", line) for line in restarts] == [
-        "restart 1 of 3: rank 1 was killed by SIGKILL", "restart 2 of 3: rank 3 was killed by SIGKILL",
-        "restart 3 of 3: rank 0 was killed by SIGKILL"], err
+        "restart 1 of 3: rank 1 was killed by SIGKILL", "restart 2 of 3: rank 0 was killed by SIGKILL",
+        "restart 3 of 3: rank 1 was killed by SIGKILL"], err
     assert all(line.endswith("(the other ranks were stopped)") for line in restarts), err
     starts = [line for line in out.splitlines() if re.match(r"(resumed from|starting at step)", line)]
     ckpt = tmp_path / "ckpt"
     assert starts == ["starting at step 0 (restart 1 of 3): no checkpoint saved yet",
-                      f"resumed from {ckpt / 'step-5'} at step 5 (restart 2 of 3)",
-                      f"resumed from {ckpt / 'step-10'} at step 10 (restart 3 of 3)"], out
+                      f"resumed from {ckpt / 'step-4'} at step 4 (restart 2 of 3)",
+                      f"resumed from {ckpt / 'step-8'} at step 8 (restart 3 of 3)"], out
 
     _assert_same_checkpoint(ckpt / f"step-{STEPS}", tmp_path / "whole" / f"step-{STEPS}", tmp_path)
     losses, lrs = _losses(tmp_path / "chaos.json")
     whole_losses, whole_lrs = _losses(tmp_path / "whole.json")
-    assert (losses, lrs) == (whole_losses[10:], whole_lrs[10:])  # bit for bit: JSON keeps every float exactly
+    assert (losses, lrs) == (whole_losses[8:], whole_lrs[8:])  # bit for bit: JSON keeps every float exactly
 
 
 # ---------------------------------------------------------------------- a smaller world
 @pytest.mark.e2e
 def test_a_job_back_on_fewer_processes_resumes_in_the_new_layout(tmp_path):
-    """The whole job (4 ranks, dp_shard inferred 4) is killed at step 8, as a machine that dies;
-    the same command with --nproc 2 resumes from step 5 by itself (dp_shard inferred again: 2)
+    """The whole job (4 ranks, dp_shard inferred 4) is killed at step 7, as a machine that dies;
+    the same command with --nproc 2 resumes from step 4 by itself (dp_shard inferred again: 2)
     and trains the losses of a run that used 2 ranks from that checkpoint on."""
     ckpt, alone = tmp_path / "ckpt", tmp_path / "alone"
     os.makedirs(tmp_path / "fired")
     first = _start([sys.executable, CHAOS, "--nproc", "4", *TINY, *EVERY, "--checkpoint-dir", str(ckpt), "--max-restarts", "2"],
-                   CHAOS="killjob:2:8", CHAOS_DIR=str(tmp_path / "fired"))
+                   CHAOS="killjob:2:7", CHAOS_DIR=str(tmp_path / "fired"))
     status, out, err = _finish(first)
     assert status == -signal.SIGKILL, f"status {status}\n{out}\n{err}"
-    assert sorted(n for n in os.listdir(ckpt) if n.startswith("step-")) == ["step-5"], os.listdir(ckpt)
-    shutil.copytree(ckpt / "step-5", alone / "step-5")
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("step-")) == ["step-4"], os.listdir(ckpt)
+    shutil.copytree(ckpt / "step-4", alone / "step-4")
 
     again = _start([*TRAIN, "--nproc", "2", *TINY, *EVERY, "--checkpoint-dir", str(ckpt), "--max-restarts", "2",
                     "--metrics-file", str(tmp_path / "again.json")])
@@ -147,7 +151,7 @@ def test_a_job_back_on_fewer_processes_resumes_in_the_new_layout(tmp_path):
     out, _ = _succeeded(again)
     _succeeded(oracle)
     assert "layout: FSDP dp_shard=2 (dp_shard inferred: --nproc 2" in out, out
-    assert f"resumed from {ckpt / 'step-5'} at step 5\n" in out, out
+    assert f"resumed from {ckpt / 'step-4'} at step 4\n" in out, out
     assert _losses(tmp_path / "again.json") == _losses(tmp_path / "alone.json")
     _assert_same_checkpoint(ckpt / f"step-{STEPS}", alone / f"step-{STEPS}", tmp_path)
 
@@ -158,7 +162,7 @@ def test_a_restartable_run_takes_a_directory_with_checkpoints_without_resume(tmp
 
     for name in _LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
-    fake_checkpoint(str(tmp_path), 5, steps=STEPS, seed=3)
+    fake_checkpoint(str(tmp_path), 4, steps=STEPS, seed=3)
     job = cli.job_from_argv([*TINY, "--checkpoint-dir", str(tmp_path), "--max-restarts", "1"])
     assert job.resumes_by_itself and not job.resume
     empty = cli.job_from_argv([*TINY, "--checkpoint-dir", str(tmp_path / "new"), "--max-restarts", "1"])
@@ -169,13 +173,13 @@ def test_a_restartable_run_takes_a_directory_with_checkpoints_without_resume(tmp
     (["--max-restarts", "2"], r"--max-restarts needs --checkpoint-dir$"),
     (["--max-restarts", "-1", "--checkpoint-dir", "{tmp}"], r"--max-restarts must be >= 0, got -1$"),
     (["--max-restarts", "1", "--checkpoint-dir", "{saved}", "--seed", "4"],
-     r"--seed 4 differs from the seed 3 of checkpoint .*step-5"),
+     r"--seed 4 differs from the seed 3 of checkpoint .*step-4"),
     (["--max-restarts", "1", "--checkpoint-dir", "{saved}", "--nproc", "3", "--tp", "2"],
      r"cannot infer --dp-shard: the number of processes 3 .* is not divisible by .* --tp 2 = 2$"),
 ], ids=["no dir", "negative", "other seed", "degrees no longer fit"])
 def test_bad_restart_flags_are_one_error_line(monkeypatch, capsys, tmp_path, argv, message):
     saved = tmp_path / "saved"
-    fake_checkpoint(str(saved), 5, steps=STEPS, seed=3)
+    fake_checkpoint(str(saved), 4, steps=STEPS, seed=3)
     argv = [a.format(tmp=tmp_path, saved=saved) for a in argv]
     err = refusal_in_launcher(monkeypatch, capsys, [*TINY, *argv])
     assert re.search(message, err.strip()), err
@@ -194,7 +198,7 @@ def test_under_torchrun_the_trainers_max_restarts_must_be_torchruns(monkeypatch,
     assert restart_count() == (2, 3)
     with pytest.raises(ConfigError, match=r"--max-restarts 1 differs from the launcher's --max-restarts 3: under torchrun"):
         cli.job_from_argv([*TINY, "--checkpoint-dir", str(tmp_path), "--max-restarts", "1"])
-    fake_checkpoint(str(tmp_path), 5, steps=STEPS, seed=3)  # torchrun's restart resumes without --resume
+    fake_checkpoint(str(tmp_path), 4, steps=STEPS, seed=3)  # torchrun's restart resumes without --resume
     assert cli.job_from_argv([*TINY, "--checkpoint-dir", str(tmp_path)]).resumes_by_itself
 
 
