@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 8 -m shardwise.train --config llama3_8b --tp 8 --mixed-precision
     python -m shardwise.train --nproc 4 --dp-shard 4 --steps 200 --stop-after 100 --checkpoint-dir ckpt
     python -m shardwise.train --nproc 4 --tp 2 --dp-shard 2 --steps 200 --checkpoint-dir ckpt --resume
+    python -m shardwise.train --nproc 4 --steps 200 --checkpoint-dir ckpt --checkpoint-every 10 --max-restarts 3
 
 Without a launcher the command starts ``--nproc`` local processes itself (gloo on CPU; nccl
 when --device resolves to cuda); under torchrun it joins the launcher's job, whose size the
@@ -17,7 +18,9 @@ launching process before any worker starts, and again in every worker: a bad job
 files' directories exist and are writable, the checkpoint flags (``--resume`` needs a committed
 checkpoint of the same config and seed), and that no other live run uses ``--checkpoint-dir``.
 The run then holds that directory's lock (``run_lock.py``) until it ends. A checkpoint that
-fails to load is refused the same way, by every worker.
+fails to load is refused the same way, by every worker. With ``--max-restarts N`` the launcher
+restarts every worker after a failure, and each start resumes from the latest checkpoint by
+itself (docs/failures.md, "Restarts").
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ started without a launcher). Steps:
    through them; the last stage's loss is shared with every pipeline rank.
 3. AdamW with linear warmup and cosine decay over ``--steps``; the data position is the step
    counter. With ``--resume``, the latest checkpoint's model, optimizer, schedule and step are
-   loaded into this job's layout (``checkpointing.py``).
+   loaded into this job's layout (``checkpointing.py``); so they are, without ``--resume``, in
+   a run that may be restarted (``--max-restarts``, torchrun's) whose directory holds one.
 4. The loop: forward, loss (under ``loss_parallel`` when asked), backward, step; a checkpoint
    every ``--checkpoint-every`` steps and after the last one; progress every ``log_every``
    steps and a summary at the end (rank 0), the loss curve and metrics file.
@@ -127,7 +128,7 @@ class Runtime:
             device = torch.device("cpu")
         comm.set_collective_timeout(job.collective_timeout)  # also the groups the meshes create
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=comm.collective_timeout())
+            _init_process_group("nccl" if device_type == "cuda" else "gloo")
         from shardwise.core.mesh import DeviceMesh
 
         world = dist.get_world_size()
@@ -138,6 +139,27 @@ class Runtime:
         """Close the process group (a barrier first): on the success path only."""
         if self.world_mesh is not None:
             close_process_group()
+
+
+def _init_process_group(backend: str) -> None:
+    """Join the job's default process group, in a store of its own on a restart.
+
+    torchrun's agent keeps one store for all its restarts (``$TORCHELASTIC_USE_AGENT_STORE``),
+    and ``env://`` gives every attempt the same keys: a restarted rank could read the attempt
+    before's keys (gloo's addresses of dead peers: "Connection refused"; the failure posted by
+    ``shardwise.launch.worker``). Each restart's keys get the restart number as prefix.
+    """
+    timeout = comm.collective_timeout()
+    count, _ = restart_count()
+    if count == 0:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else the agent hosts it
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=hosts,
+                           timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"shardwise/restart-{count}/", shared), rank=rank,
+                            world_size=world, timeout=timeout)
 
 
 @dataclass
