@@ -242,3 +242,18 @@ def test_torchruns_restarts_resume_by_themselves(tmp_path):
     starts = [line for line in out.splitlines() if re.match(r"(resumed from|starting at step)", line)]
     assert starts == [f"resumed from {tmp_path / 'ckpt' / 'step-4'} at step 4 (restart 1 of 1)"], out
     _assert_same_checkpoint(tmp_path / "ckpt" / "step-8", tmp_path / "whole" / "step-8", tmp_path)
+
+
+@pytest.mark.e2e
+def test_a_failure_that_comes_back_uses_the_restarts_up_and_fails_with_one_line(tmp_path):
+    """One process whose step 2 raises on every start (tests/jobs/train_fault.py counts the
+    steps of each start): one restart line, then the job's FAILED line, status 1."""
+    fault = str(ROOT / "tests" / "jobs" / "train_fault.py")
+    job = _start([sys.executable, fault, *TINY, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--max-restarts", "1"],
+                 FAULT="raise:0:2")
+    status, out, err = _finish(job)
+    assert status == 1, f"status {status}\n{out}\n{err}"
+    lines = [line for line in err.splitlines() if line.startswith(("restart ", "FAILED"))]
+    assert lines == ["restart 1 of 1: rank 0: RuntimeError: injected out of memory",
+                     "FAILED: rank 0: RuntimeError: injected out of memory (its one restart used)"], err
+    assert err.count("[rank 0] Traceback") == 2, err  # the failing rank's own, once per start

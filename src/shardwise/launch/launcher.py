@@ -93,12 +93,16 @@ def launch(python_args: Sequence[str], nproc: int, quiet_codes: tuple[int, ...] 
         ending = _run_once(python_args, nproc, quiet_codes)
         if ending.status == 0 or not ending.restartable or restart == max_restarts:
             if ending.line:
-                used = f"all {max_restarts} restarts used" if max_restarts and ending.restartable else ""
+                used = _restarts_used(max_restarts) if max_restarts and ending.restartable else ""
                 print(f"FAILED: {ending.line}{_stopped_note(nproc, used)}", file=sys.stderr, flush=True)
             return ending.status
         print(f"restart {restart + 1} of {max_restarts}: {ending.line}{_stopped_note(nproc, '')}",
               file=sys.stderr, flush=True)
     raise AssertionError("unreachable: the last attempt returns")
+
+
+def _restarts_used(max_restarts: int) -> str:
+    return f"all {max_restarts} restarts used" if max_restarts > 1 else "its one restart used"
 
 
 def _stopped_note(nproc: int, used: str) -> str:
