@@ -243,7 +243,7 @@ def test_help_shows_every_meaningful_default():
         assert f"(default: {action.default})" in entry, entry
         shown += 1
     assert "(default: the family's default, debug for llama)" in entries["--config"]
-    assert shown == 20, shown  # family, dp degrees, cp, tp, pp, ep, pp schedule, steps, batch, seq len, lr, ..., compile backend, expert imbalance
+    assert shown == 21, shown  # family, dp degrees, cp, tp, pp, ep, pp schedule, steps, batch, seq len, lr, ..., compile backend, expert imbalance, max restarts
     assert "(default: None)" not in parser.format_help() and "(default: False)" not in parser.format_help()
 
 

@@ -19,6 +19,17 @@ ONE line, the root cause read from the workers' error files (its own exception b
 before a signal before a consequence): ``FAILED: rank 1: RuntimeError: ... (the other ranks were
 stopped)``. Ctrl-C reaches every worker (the agent forwards SIGINT); rank 0 prints where the job
 was and the launcher exits with status 130, saying nothing more.
+
+Restarts (``max_restarts``, the trainer's ``--max-restarts``): after a failure that restarting
+may cure (an error, a killed or timed-out rank; not a verdict the program printed, nor Ctrl-C)
+the launcher prints ``restart 1 of 3: <the root cause>`` and starts every worker again, with
+``$SHARDWISE_RESTART_COUNT`` telling them which attempt they are. The loop is here rather than
+in torch's agent (whose ``max_restarts`` restarts the worker group itself) because only here is
+the failure diagnosed before the restart: the agent would restart a job that refused its own
+flags, and say nothing about why it restarted. Each attempt is a fresh rendezvous; the workers
+are forked again, so a restart costs milliseconds beyond the program's own start-up. Under
+torchrun (``--max-restarts`` given to torchrun) torchrun's agent restarts, and the workers
+read ``$TORCHELASTIC_RESTART_COUNT`` instead (``worker.restart_count``).
 """
 
 from __future__ import annotations
@@ -31,9 +42,11 @@ import signal
 import sys
 import traceback
 import uuid
+from dataclasses import dataclass
 from typing import Callable, NoReturn, Sequence
 
-from shardwise.launch.worker import LAUNCHER_PID_ENV, REPORT_KEY, close_process_group, run_worker, under_launcher
+from shardwise.launch.worker import (LAUNCHER_PID_ENV, MAX_RESTARTS_ENV, REPORT_KEY, RESTART_COUNT_ENV,
+                                     close_process_group, run_worker, under_launcher)
 
 __all__ = ["under_launcher", "launch", "close_process_group", "main_or_launch", "main", "USAGE"]
 
@@ -57,18 +70,59 @@ else:
 """
 
 
-def launch(python_args: Sequence[str], nproc: int, quiet_codes: tuple[int, ...] = ()) -> int:
+def launch(python_args: Sequence[str], nproc: int, quiet_codes: tuple[int, ...] = (), max_restarts: int = 0) -> int:
     """Start ``nproc`` local workers running ``python *python_args``; return the job's exit status.
 
     ``python_args`` is ``["-m", module, *args]`` or ``[script, *args]``. On a failure the
     root cause is printed in one line (see the module docstring); a failure whose root cause
     is a status the workers returned themselves (or one of ``quiet_codes``) is a verdict they
     already printed: its status is returned silently. Ctrl-C returns 130, silently.
+
+    With ``max_restarts`` > 0, a failure that is not a verdict nor an interruption stops every
+    worker and starts them all again, up to ``max_restarts`` times; each restart is one line,
+    ``restart 1 of 3: <root cause>``. The workers read the restart number from
+    ``$SHARDWISE_RESTART_COUNT`` (a program that saves checkpoints resumes from its latest).
     """
     # Each worker is single-threaded: 4 processes share 2 cores on small machines.
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers' launching process, however started
+    os.environ[MAX_RESTARTS_ENV] = str(max_restarts)
+    for restart in range(max_restarts + 1):
+        os.environ[RESTART_COUNT_ENV] = str(restart)
+        ending = _run_once(python_args, nproc, quiet_codes)
+        if ending.status == 0 or not ending.restartable or restart == max_restarts:
+            if ending.line:
+                used = _restarts_used(max_restarts) if max_restarts and ending.restartable else ""
+                print(f"FAILED: {ending.line}{_stopped_note(nproc, used)}", file=sys.stderr, flush=True)
+            return ending.status
+        print(f"restart {restart + 1} of {max_restarts}: {ending.line}{_stopped_note(nproc, '')}",
+              file=sys.stderr, flush=True)
+    raise AssertionError("unreachable: the last attempt returns")
+
+
+def _restarts_used(max_restarts: int) -> str:
+    return f"all {max_restarts} restarts used" if max_restarts > 1 else "its one restart used"
+
+
+def _stopped_note(nproc: int, used: str) -> str:
+    """`` (the other ranks were stopped; all 3 restarts used)``, or the parts that apply."""
+    parts = (["the other ranks were stopped"] if nproc > 1 else []) + ([used] if used else [])
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnding:
+    """How one launch of the workers ended: its exit status, the root cause's line (None: say
+    nothing, the workers did) and whether restarting the workers may help."""
+
+    status: int
+    line: str | None = None
+    restartable: bool = False
+
+
+def _run_once(python_args: Sequence[str], nproc: int, quiet_codes: tuple[int, ...]) -> JobEnding:
+    """Start the workers once and wait for them (see ``launch``)."""
     try:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -80,15 +134,15 @@ def launch(python_args: Sequence[str], nproc: int, quiet_codes: tuple[int, ...] 
         else:
             elastic_launch(_config(nproc, "spawn"), sys.executable)("-u", "-c", _BOOTSTRAP, *python_args)
     except ChildFailedError as err:
-        return _report_failure(err.failures, nproc, quiet_codes)
+        return diagnose(err.failures, quiet_codes)
     except (KeyboardInterrupt, SignalException) as err:
         # Ctrl-C before the workers started, or forwarded to them (rank 0 said where it was).
         signum = getattr(err, "sigval", signal.SIGINT)
-        return 128 + int(signum)
-    except Exception as err:  # rendezvous errors, agent errors
+        return JobEnding(128 + int(signum))
+    except Exception as err:  # rendezvous errors, agent errors: not the workers', no restart
         print(f"FAILED: launcher error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        return JobEnding(1)
+    return JobEnding(0)
 
 
 class StartMethod(enum.Enum):
@@ -217,18 +271,17 @@ _PRIORITY = {"error": 0, "timeout": 1, "interrupted": 2, "verdict": 3, "no repor
              "stopped": 5, "peer_lost": 6}
 
 
-def _report_failure(failures: dict, nproc: int, quiet_codes: tuple[int, ...]) -> int:
-    """Print the root cause of a failed job in one line; return the job's exit status."""
+def diagnose(failures: dict, quiet_codes: tuple[int, ...] = ()) -> JobEnding:
+    """The root cause of a failed launch (the workers' ``ProcessFailure`` by rank), its status,
+    and whether a restart may help: not after a verdict or an interruption (Ctrl-C)."""
     rank, failure = min(failures.items(), key=lambda item: _order(*item))
     report = _report_of(failure)
     kind = report.get("kind") if report else None
     status = failure.exitcode if failure.exitcode > 0 else 128 + (-failure.exitcode or signal.SIGKILL)
     if kind == "verdict" or (kind is None and failure.exitcode in quiet_codes):
-        return status
+        return JobEnding(status)
     line = report["line"] if report else _no_report_line(rank, failure.exitcode)
-    others = " (the other ranks were stopped)" if nproc > 1 else ""
-    print(f"FAILED: {line}{others}", file=sys.stderr, flush=True)
-    return status
+    return JobEnding(status, line, restartable=kind != "interrupted")
 
 
 def _order(rank: int, failure) -> tuple:
@@ -262,6 +315,7 @@ def main_or_launch(
     nproc: int,
     quiet_codes: tuple[int, ...] = (),
     module: str | None = None,
+    max_restarts: int = 0,
 ) -> NoReturn:
     """Run ``worker`` here if we are a worker, else launch ``nproc`` workers of this program.
 
@@ -271,11 +325,12 @@ def main_or_launch(
         nproc: local processes to start when not already under a launcher.
         quiet_codes: further worker exit statuses that are verdicts, not crashes.
         module: run the workers as ``python -m module`` (else the current script).
+        max_restarts: restart every worker after a failure up to this many times (``launch``).
     """
     if under_launcher():
         run_worker(worker)
     program = ["-m", module] if module else [os.path.abspath(sys.argv[0])]
-    sys.exit(launch(program + sys.argv[1:], nproc, quiet_codes))
+    sys.exit(launch(program + sys.argv[1:], nproc, quiet_codes, max_restarts))
 
 
 # ---------------------------------------------------------------------- python -m shardwise.launch

@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, NoReturn
 
 __all__ = ["Ending", "run_worker", "under_launcher", "close_process_group", "end_with_failure", "interrupt_context",
-           "handle_signals", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "REPORT_KEY", "FAILED_KEY"]
+           "handle_signals", "restart_count", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "REPORT_KEY", "FAILED_KEY"]
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: what a shell reports for Ctrl-C
@@ -52,6 +52,8 @@ EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 PEER_LOST_WAIT_S = 5.0  # a launcher stops the survivors of a failure well within this
 REPORT_KEY = "shardwise"  # our part of the torchelastic error file
 LAUNCHER_PID_ENV = "SHARDWISE_LAUNCHER_PID"  # set by shardwise.launch for its workers
+RESTART_COUNT_ENV = "SHARDWISE_RESTART_COUNT"  # shardwise.launch: which restart the workers are (0: the first start)
+MAX_RESTARTS_ENV = "SHARDWISE_MAX_RESTARTS"  # shardwise.launch: restarts allowed in all
 # What init_process_group's env:// rendezvous needs; torchrun, torch's elastic agent and
 # shardwise.launch.launcher set them all (and more: LOCAL_RANK, TORCHELASTIC_RUN_ID).
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -93,6 +95,21 @@ def under_launcher() -> bool:
     ``LOCAL_RANK`` or ``RANK`` left in a user's shell does not make a process a worker.
     """
     return all(os.environ.get(name) for name in _WORKER_ENV)
+
+
+def restart_count() -> tuple[int, int]:
+    """(which restart this worker's job is, restarts allowed): (0, 0) without a launcher.
+
+    shardwise's launcher restarts by launching again (``$SHARDWISE_RESTART_COUNT``, its
+    ``LAUNCHER_PID_ENV`` set); torchrun's agent restarts its worker group itself and says so in
+    ``$TORCHELASTIC_RESTART_COUNT`` / ``$TORCHELASTIC_MAX_RESTARTS``.
+    """
+    if not under_launcher():
+        return 0, 0
+    ours = os.environ.get(LAUNCHER_PID_ENV) and RESTART_COUNT_ENV in os.environ
+    names = (RESTART_COUNT_ENV, MAX_RESTARTS_ENV) if ours else ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+    count, most = (int(os.environ.get(name) or 0) for name in names)
+    return count, most
 
 
 def _rank() -> int:

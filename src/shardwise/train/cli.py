@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 8 -m shardwise.train --config llama3_8b --tp 8 --mixed-precision
     python -m shardwise.train --nproc 4 --dp-shard 4 --steps 200 --stop-after 100 --checkpoint-dir ckpt
     python -m shardwise.train --nproc 4 --tp 2 --dp-shard 2 --steps 200 --checkpoint-dir ckpt --resume
+    python -m shardwise.train --nproc 4 --steps 200 --checkpoint-dir ckpt --checkpoint-every 10 --max-restarts 3
 
 Without a launcher the command starts ``--nproc`` local processes itself (gloo on CPU; nccl
 when --device resolves to cuda); under torchrun it joins the launcher's job, whose size the
@@ -17,7 +18,9 @@ launching process before any worker starts, and again in every worker: a bad job
 files' directories exist and are writable, the checkpoint flags (``--resume`` needs a committed
 checkpoint of the same config and seed), and that no other live run uses ``--checkpoint-dir``.
 The run then holds that directory's lock (``run_lock.py``) until it ends. A checkpoint that
-fails to load is refused the same way, by every worker.
+fails to load is refused the same way, by every worker. With ``--max-restarts N`` the launcher
+restarts every worker after a failure, and each start resumes from the latest checkpoint by
+itself (docs/failures.md, "Restarts").
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import NoReturn
 
 from shardwise.debug.explain import Detail
 from shardwise.launch.launcher import main_or_launch, under_launcher
+from shardwise.launch.worker import LAUNCHER_PID_ENV, restart_count
 from shardwise.train.config import COMPILE_BACKENDS, ConfigError, JobConfig, describe_config, is_lead_process
 from shardwise.train.spec import family_names, get_family
 from shardwise.train.run_lock import RunLockError, hold_for_run
@@ -179,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "memory; the next save and the end of the run wait for the write and commit")
     ckpt.add_argument("--checkpoint-keep", type=int, metavar="K", default=d.checkpoint_keep,
                       help="keep the newest K committed checkpoints, removing older ones (default: keep all)")
+    ckpt.add_argument("--max-restarts", type=int, metavar="N", default=d.max_restarts,
+                      help="when a rank fails or is killed, stop every rank and start them all again, up to N times; "
+                           "each start resumes from the latest committed checkpoint in --checkpoint-dir (needed) "
+                           "without --resume, or starts at step 0 if it holds none. Under torchrun, give "
+                           "--max-restarts to torchrun instead: its restarts resume the same way")
     return p
 
 
@@ -202,6 +211,7 @@ def job_from_argv(argv: list[str]) -> JobConfig:
             f"the number of processes (torchrun: --nproc-per-node, before the program), and --nproc, which counts "
             f"the processes shardwise.train starts itself without one, is best left out"
         )
+    _check_restarts_here(ns.max_restarts)
     nproc = ns.nproc if ns.nproc is not None else (world or 1)
     fields = {k: v for k, v in vars(ns).items() if k != "nproc"}
     if fields["config"] is None:
@@ -209,6 +219,18 @@ def job_from_argv(argv: list[str]) -> JobConfig:
     job = JobConfig(nproc=nproc, **fields).validate()
     _check_devices(job)
     return job
+
+
+def _check_restarts_here(max_restarts: int) -> None:
+    """Under torchrun, torchrun restarts the workers: the trainer's own ``--max-restarts`` (which
+    asks shardwise's launcher) is accepted only if it says the same as torchrun's."""
+    if not under_launcher() or os.environ.get(LAUNCHER_PID_ENV) or max_restarts == 0:
+        return
+    theirs = restart_count()[1]
+    if max_restarts != theirs:
+        raise ConfigError(f"--max-restarts {max_restarts} differs from the launcher's --max-restarts {theirs}: under "
+                          f"torchrun, torchrun restarts the workers (its --max-restarts, before the program), and "
+                          f"each restart resumes from the latest checkpoint by itself")
 
 
 def _check_devices(job: JobConfig) -> None:
@@ -300,8 +322,8 @@ def main() -> None:
         if job.simulate:
             sys.exit(_simulate(job))
         with _run_lock(job):
-            if job.nproc == 1:
+            if job.nproc == 1 and job.max_restarts == 0:
                 sys.exit(_run(job))
-            main_or_launch(worker, job.nproc, quiet_codes=(EXIT_BAD_JOB,), module=PROG)
+            main_or_launch(worker, job.nproc, quiet_codes=(EXIT_BAD_JOB,), module=PROG, max_restarts=job.max_restarts)
     except (ConfigError, RunLockError) as err:
         sys.exit(_fail(str(err)))

@@ -20,6 +20,7 @@ from typing import Any
 
 from shardwise.debug.explain import Detail
 from shardwise.launch.launcher import under_launcher
+from shardwise.launch.worker import restart_count
 from shardwise.parallel.dims import ParallelDims
 from shardwise.train.checkpointing import ResumePoint, latest_readable_checkpoint
 from shardwise.train.data import corpus_files
@@ -95,6 +96,9 @@ class JobConfig:
         resume: continue from the latest checkpoint in ``checkpoint_dir`` (any layout).
         checkpoint_async: save in the background (``shardwise.checkpoint.async_save``).
         checkpoint_keep: keep the newest K committed checkpoints (None: all).
+        max_restarts: restart every worker after a failure up to this many times (shardwise's
+            launcher); the run then resumes from the latest checkpoint by itself, as it does on
+            its first start if ``checkpoint_dir`` holds one (``resumes_by_itself``).
         stop_after: end this run after this step (None: after ``steps``); the schedule still
             spans ``steps``, so a resumed run continues the same schedule.
         collective_timeout: seconds after which a collective that has not completed fails,
@@ -135,6 +139,7 @@ class JobConfig:
     resume: bool = False
     checkpoint_async: bool = False
     checkpoint_keep: int | None = None
+    max_restarts: int = 0
     stop_after: int | None = None
     collective_timeout: float = 120.0
     explain: Detail | None = None
@@ -215,6 +220,12 @@ class JobConfig:
     def microbatches(self) -> int:
         """Microbatches per step through the pipeline: ``--pp-microbatches``, or ``--pp``."""
         return self.pp_microbatches if self.pp_microbatches is not None else self.pp
+
+    @property
+    def resumes_by_itself(self) -> bool:
+        """A run that may be restarted (``--max-restarts``, or torchrun's) resumes from the latest
+        checkpoint of ``checkpoint_dir`` without ``--resume``, and starts at step 0 without one."""
+        return self.max_restarts > 0 or restart_count()[1] > 0
 
     @property
     def last_step(self) -> int:
@@ -353,9 +364,12 @@ class JobConfig:
             raise ConfigError(f"--stop-after must be between 1 and --steps {self.steps}, got {self.stop_after}")
         if self.checkpoint_keep is not None and self.checkpoint_keep < 1:
             raise ConfigError(f"--checkpoint-keep must be > 0, got {self.checkpoint_keep}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         used = [f for f, on in (("--checkpoint-every", self.checkpoint_every is not None),
                                 ("--resume", self.resume), ("--checkpoint-async", self.checkpoint_async),
-                                ("--checkpoint-keep", self.checkpoint_keep is not None)) if on]
+                                ("--checkpoint-keep", self.checkpoint_keep is not None),
+                                ("--max-restarts", self.max_restarts > 0)) if on]
         if used and not self.checkpoint_dir:
             raise ConfigError(f"{' and '.join(used)} {'need' if len(used) > 1 else 'needs'} --checkpoint-dir")
         if not self.checkpoint_dir:
@@ -364,7 +378,7 @@ class JobConfig:
             raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir!r} exists and is not a directory")
         self._check_not_in_use()
         point = self._latest_checkpoint()
-        if self.resume:
+        if self.resume or (self.resumes_by_itself and point is not None):
             self._check_resume(point)
         elif point is not None:
             raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir!r} already holds checkpoints (latest "

@@ -12,7 +12,8 @@ started without a launcher). Steps:
    through them; the last stage's loss is shared with every pipeline rank.
 3. AdamW with linear warmup and cosine decay over ``--steps``; the data position is the step
    counter. With ``--resume``, the latest checkpoint's model, optimizer, schedule and step are
-   loaded into this job's layout (``checkpointing.py``).
+   loaded into this job's layout (``checkpointing.py``); so they are, without ``--resume``, in
+   a run that may be restarted (``--max-restarts``, torchrun's) whose directory holds one.
 4. The loop: forward, loss (under ``loss_parallel`` when asked), backward, step; a checkpoint
    every ``--checkpoint-every`` steps and after the last one; progress every ``log_every``
    steps and a summary at the end (rank 0), the loss curve and metrics file.
@@ -48,7 +49,7 @@ from shardwise import comm
 from shardwise.tensor import random as sw_random
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.tensor.clip_grad import clip_grad_norm_
-from shardwise.launch.worker import interrupt_context
+from shardwise.launch.worker import interrupt_context, restart_count
 from shardwise.launch.launcher import close_process_group, under_launcher
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.pipeline_parallel.pipeline import share_loss
@@ -127,7 +128,7 @@ class Runtime:
             device = torch.device("cpu")
         comm.set_collective_timeout(job.collective_timeout)  # also the groups the meshes create
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=comm.collective_timeout())
+            _init_process_group("nccl" if device_type == "cuda" else "gloo")
         from shardwise.core.mesh import DeviceMesh
 
         world = dist.get_world_size()
@@ -138,6 +139,27 @@ class Runtime:
         """Close the process group (a barrier first): on the success path only."""
         if self.world_mesh is not None:
             close_process_group()
+
+
+def _init_process_group(backend: str) -> None:
+    """Join the job's default process group, in a store of its own on a restart.
+
+    torchrun's agent keeps one store for all its restarts (``$TORCHELASTIC_USE_AGENT_STORE``),
+    and ``env://`` gives every attempt the same keys: a restarted rank could read the attempt
+    before's keys (gloo's addresses of dead peers: "Connection refused"; the failure posted by
+    ``shardwise.launch.worker``). Each restart's keys get the restart number as prefix.
+    """
+    timeout = comm.collective_timeout()
+    count, _ = restart_count()
+    if count == 0:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else the agent hosts it
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=hosts,
+                           timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"shardwise/restart-{count}/", shared), rank=rank,
+                            world_size=world, timeout=timeout)
 
 
 @dataclass
@@ -349,7 +371,7 @@ def train(job: JobConfig, runtime: Runtime, progress: Progress | None = None) ->
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, job.warmup, job.steps))
     state = TrainState(model, optimizer, scheduler, seed=job.seed, schedule_steps=job.steps, config=job.config,
                        param_names=names)
-    checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.last_step, job.resume,
+    checkpointer = make_checkpointer(job.checkpoint_dir, job.checkpoint_every, job.last_step, _resumes(job),
                                      asynchronous=job.checkpoint_async, keep=job.checkpoint_keep)
     first = _restore(job, runtime, checkpointer, state)
     data = BatchSource(load_corpus(), job.global_batch, job.seq_len, job.seed, runtime.dims.dp_degree, runtime.dp_rank)
@@ -430,6 +452,24 @@ def _measured(job: JobConfig, runtime: Runtime, metrics: RunMetrics, index: int,
                         metrics.keep_step_measurement)
 
 
+def _resumes(job: JobConfig) -> bool:
+    """Whether this run starts from a checkpoint: ``--resume``, or a run that may be restarted
+    (``JobConfig.resumes_by_itself``) whose directory holds one. Every rank reads the same
+    directory, which nothing writes to before the first step, so all agree."""
+    if job.resume or not (job.resumes_by_itself and job.checkpoint_dir):
+        return job.resume
+    try:
+        return latest_checkpoint(job.checkpoint_dir) is not None
+    except CheckpointError:
+        return True  # unreadable: loading it says what is wrong, on every rank
+
+
+def _restart_note() -> str:
+    """`` (restart 2 of 3)`` in a restarted worker, else ''."""
+    count, most = restart_count()
+    return f" (restart {count} of {most})" if count else ""
+
+
 def _restore(job: JobConfig, runtime: Runtime, checkpointer: Checkpointer, state: TrainState) -> int:
     """Load the latest checkpoint when resuming; return the first step to run (its data position).
 
@@ -443,8 +483,10 @@ def _restore(job: JobConfig, runtime: Runtime, checkpointer: Checkpointer, state
     saved = state.resumed_from
     if state.resume_warning:
         _say(runtime, f"warning: --resume: {state.resume_warning}")
+    if saved is None and restart_count()[0]:
+        _say(runtime, f"starting at step 0{_restart_note()}: no checkpoint saved yet")
     if saved is not None:
-        _say(runtime, f"resumed from {saved['path']} at step {first}")
+        _say(runtime, f"resumed from {saved['path']} at step {first}{_restart_note()}")
         if saved["steps"] != job.steps:
             _say(runtime, f"note: the checkpoint was saved by a run of --steps {saved['steps']}; the learning-rate "
                           f"schedule now spans --steps {job.steps}, so this does not continue either run exactly "
