@@ -1,9 +1,13 @@
-"""The body every benchmark worker shares: quiet warnings, one thread, a gloo group around the run."""
+"""What every benchmark worker shares: quiet warnings, one thread, a gloo group around the run,
+and the profiler's native stderr lines silenced."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 
 def gloo_worker(run: Callable[[], int]) -> int:
@@ -37,3 +41,19 @@ def slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+@contextlib.contextmanager
+def native_stderr_silenced() -> Iterator[None]:
+    """The profiler's native library prints a line per start and stop on the process's stderr
+    (file descriptor 2): send them nowhere. Python exceptions still propagate."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)

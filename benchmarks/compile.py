@@ -28,13 +28,11 @@ its DTensor inputs, unwrapping them, wrapping its output). ``--modes ""`` runs t
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import sys
 import time
 
-from _worker import gloo_worker, say, slowest
+from _worker import gloo_worker, native_stderr_silenced, say, slowest
 
 from shardwise.launch import main_or_launch
 
@@ -89,20 +87,7 @@ CHAINS = {"plain short": _plain_short, "dtensor short": _dtensor_short,
           "plain long": _plain_long, "dtensor long": _dtensor_long}
 
 
-@contextlib.contextmanager
-def _native_stderr_silenced():
-    """The profiler's native library prints a line per start and stop on the process's stderr
-    (file descriptor 2): send them nowhere. Python exceptions still propagate."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
+
 
 
 class Bench:
@@ -139,7 +124,7 @@ class Bench:
         """
         from torch.profiler import ProfilerActivity, profile
 
-        with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
             job.step(i)
         return sum(1 for e in prof.events() if e.name.startswith(("gloo:", "nccl:")) and "barrier" not in e.name)
 

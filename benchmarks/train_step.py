@@ -88,7 +88,6 @@ import contextlib
 import ctypes
 import gc
 import logging
-import os
 import re
 import statistics
 import sys
@@ -96,7 +95,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from _worker import gloo_worker
+from _worker import gloo_worker, native_stderr_silenced
 
 from shardwise.launch import main_or_launch
 
@@ -202,20 +201,6 @@ class PeakRSS:
         self.peak = (_status_kib("VmHWM") - self.start) * 1024 if self.supported else -1
 
 
-@contextlib.contextmanager
-def _stderr_silenced():
-    """fd 2 to /dev/null inside: the profiler's start and stop print a line each from C++."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 class TensorPeak:
     """Peak of the live tensor bytes while the block runs, above those live at its start (bytes).
 
@@ -234,13 +219,13 @@ class TensorPeak:
 
         _release_memory()
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _stderr_silenced():
+        with native_stderr_silenced():
             self._prof.start()
         self.peak = 0
         return self
 
     def __exit__(self, *exc) -> None:
-        with _stderr_silenced():
+        with native_stderr_silenced():
             self._prof.stop()
         self.peak = peak_of_memory_events(self._prof)
         del self._prof

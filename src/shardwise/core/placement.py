@@ -168,8 +168,8 @@ def as_placements(value: object, what: str = "placements") -> tuple[Placement, .
         return value  # the common case, kept cheap: specs are built on every cache miss
     if not isinstance(value, (list, tuple)):
         hint = f"; write [{value!r}]" if isinstance(value, Placement) else ""
-        if foreign_note(value):
-            hint = f": {foreign_note(value)}"
+        if foreign := foreign_note(value):
+            hint = f": {foreign}"
         if isinstance(value, type) and issubclass(value, Placement):
             hint = f"; write [{value.__name__}({'0' if value is Shard else ''})], with parentheses"
         raise TypeError(
@@ -177,9 +177,9 @@ def as_placements(value: object, what: str = "placements") -> tuple[Placement, .
             f"got {_describe(value)}{hint}"
         )
     for i, p in enumerate(value):
-        if not isinstance(p, Placement) and foreign_note(p):
-            raise TypeError(f"{what}[{i}] of {show_placements(value)} is {foreign_note(p)}")
         if not isinstance(p, Placement):
+            if foreign := foreign_note(p):
+                raise TypeError(f"{what}[{i}] of {show_placements(value)} is {foreign}")
             raise TypeError(
                 f"{what}[{i}] of {show_placements(value)} is {_describe(p)}; expected Placement objects: "
                 f"{ACCEPTED}{_fix_hint(p)}"

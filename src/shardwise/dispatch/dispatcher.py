@@ -465,8 +465,8 @@ def _StrictPlan(mesh) -> OutputPlan:
         if torch._C._current_graph_task_id() != -1 and all(_zero_filled(t) for _, t in plain):
             return implicit(func, args, kwargs)
         where, tensor = plain[0]
-        if foreign_note(tensor):
-            raise ValueError(f"{render_call(func, args, kwargs)}: argument {where} is {foreign_note(tensor)}")
+        if foreign := foreign_note(tensor):
+            raise ValueError(f"{render_call(func, args, kwargs)}: argument {where} is {foreign}")
         raise ValueError(
             f"{render_call(func, args, kwargs)}: argument {where} is a plain tensor {_plain(tensor)} mixed with "
             "DTensors. Make it a DTensor (distribute_tensor / DTensor.from_local), or use "

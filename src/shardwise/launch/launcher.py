@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, NoReturn, Sequence
 
 from shardwise.launch.worker import (LAUNCHER_PID_ENV, MAX_RESTARTS_ENV, REPORT_KEY, RESTART_COUNT_ENV,
-                                     close_process_group, run_worker, under_launcher)
+                                     close_process_group, exit_status, run_worker, under_launcher)
 
 __all__ = ["under_launcher", "launch", "close_process_group", "main_or_launch", "main", "USAGE"]
 
@@ -209,7 +209,7 @@ def _run_program_and_exit(program: list[str]) -> NoReturn:
         _run_program(program)
         status = 0
     except SystemExit as stop:
-        status = _exit_status(stop)
+        status = exit_status(stop)
     except BaseException:  # noqa: BLE001 - as python would: the traceback, status 1
         traceback.print_exc()
         status = 1
@@ -229,13 +229,6 @@ def _die_with_parent() -> None:
         return
     if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(128 + int(signal.SIGKILL))
-
-
-def _exit_status(stop: SystemExit) -> int:
-    if stop.code is None or isinstance(stop.code, int):
-        return int(stop.code or 0)
-    print(stop.code, file=sys.stderr)
-    return 1
 
 
 def _config(nproc: int, start_method: str):

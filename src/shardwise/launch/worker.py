@@ -43,7 +43,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Callable, Iterator, NoReturn
 
-__all__ = ["Ending", "run_worker", "under_launcher", "close_process_group", "end_with_failure", "interrupt_context",
+__all__ = ["Ending", "run_worker", "exit_status", "under_launcher", "close_process_group", "end_with_failure", "interrupt_context",
            "handle_signals", "restart_count", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "REPORT_KEY", "FAILED_KEY"]
 
 EXIT_FAILED = 1
@@ -222,15 +222,18 @@ def end_with_failure(exc: BaseException) -> NoReturn:
     os._exit(EXIT_FAILED)
 
 
-def _find(exc: BaseException, types: tuple) -> BaseException | None:
-    """``exc`` or the first exception it was raised from / during that is one of ``types``."""
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, then the exceptions it was raised from / during, each once."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, types):
-            return exc
+        yield exc
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
-    return None
+
+
+def _find(exc: BaseException, types: tuple) -> BaseException | None:
+    """``exc`` or the first exception it was raised from / during that is one of ``types``."""
+    return next((e for e in _chain(exc) if isinstance(e, types)), None)
 
 
 def _peer_gone(exc: BaseException) -> BaseException | None:
@@ -238,13 +241,7 @@ def _peer_gone(exc: BaseException) -> BaseException | None:
     away (gloo's "Connection reset by peer"...): a consequence of another rank's end."""
     from shardwise.comm.errors import classify
 
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if classify(str(exc)) == "peer":
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return next((e for e in _chain(exc) if classify(str(e)) == "peer"), None)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -448,11 +445,17 @@ def run_worker(main: Callable[[], int | None]) -> NoReturn:
 
 
 def _status_of(main: Callable[[], int | None]) -> int:
-    """``main()``'s exit status, ``sys.exit`` included (a message is printed, status 1)."""
+    """``main()``'s exit status, ``sys.exit`` included."""
     try:
         return int(main() or 0)
     except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            return int(stop.code or 0)
-        print(stop.code, file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return exit_status(stop)
+
+
+def exit_status(stop: SystemExit) -> int:
+    """The status ``sys.exit(code)`` ends a process with: an int as is, None as 0, anything else
+    printed to stderr and status 1, as Python does."""
+    if stop.code is None or isinstance(stop.code, int):
+        return int(stop.code or 0)
+    print(stop.code, file=sys.stderr, flush=True)
+    return EXIT_FAILED

@@ -204,7 +204,7 @@ class DTensor(torch.Tensor):
         if placements is None:
             raise ValueError("redistribute needs target placements")
         placements = as_placements(placements, "redistribute: placements")
-        if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+        if device_mesh is not None:
             check_mesh(device_mesh, "redistribute")
         if async_op:  # collectives return at once; the block waits for its data at first use
             with run_ahead():

@@ -53,7 +53,7 @@ from shardwise.launch.worker import interrupt_context, restart_count
 from shardwise.launch.launcher import close_process_group, under_launcher
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.pipeline_parallel.pipeline import share_loss
-from shardwise.train.checkpointing import Checkpointer, TrainState, latest_checkpoint, make_checkpointer
+from shardwise.train.checkpointing import Checkpointer, TrainState, committed_steps, latest_checkpoint, make_checkpointer
 from shardwise.train.config import ConfigError, JobConfig, params_label
 from shardwise.train.data import BatchSource, load_corpus
 from shardwise.train.metrics import RunMetrics
@@ -455,13 +455,9 @@ def _measured(job: JobConfig, runtime: Runtime, metrics: RunMetrics, index: int,
 def _resumes(job: JobConfig) -> bool:
     """Whether this run starts from a checkpoint: ``--resume``, or a run that may be restarted
     (``JobConfig.resumes_by_itself``) whose directory holds one. Every rank reads the same
-    directory, which nothing writes to before the first step, so all agree."""
-    if job.resume or not (job.resumes_by_itself and job.checkpoint_dir):
-        return job.resume
-    try:
-        return latest_checkpoint(job.checkpoint_dir) is not None
-    except CheckpointError:
-        return True  # unreadable: loading it says what is wrong, on every rank
+    directory, which nothing writes to before the first step, so all agree. A damaged newest
+    checkpoint still counts: loading falls back to an older one, or says what is wrong."""
+    return job.resume or bool(job.resumes_by_itself and job.checkpoint_dir and committed_steps(job.checkpoint_dir))
 
 
 def _restart_note() -> str:

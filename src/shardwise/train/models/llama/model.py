@@ -140,12 +140,16 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0", "1", ... keeps parameter names stable if blocks are removed
         # (pipeline stages), as torchtitan does.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.build_block(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not a parameter and not saved: every rank recomputes it, whatever the layout.
         self.register_buffer("rotary", torch.empty(args.max_seq_len, args.head_dim // 2, 2), persistent=False)
         self.init_weights()
+
+    def build_block(self, layer_id: int, args: ModelArgs) -> nn.Module:
+        """Block ``layer_id`` (a family with other blocks, such as the MoE one, overrides this)."""
+        return TransformerBlock(layer_id, args)
 
     def init_weights(self) -> None:
         """Draw every parameter from shardwise's layout-independent stream; recompute the rotary table.

@@ -97,14 +97,12 @@ class MoEArgs:
 
 
 @dataclass(frozen=True, slots=True)
-class MoEModelArgs:
+class MoEModelArgs(LlamaArgs):
     """A Llama-style decoder whose feed-forward is a mixture of experts in all blocks but the
-    first ``n_dense_layers``.
+    first ``n_dense_layers``: Llama's shapes (``llama.args.ModelArgs``, whose attention, norms
+    and dense blocks it builds; the dense SwiGLU width follows Llama's rule) and these.
 
     Args:
-        dim, n_layers, n_heads, n_kv_heads, vocab_size, multiple_of, ffn_dim_multiplier,
-        norm_eps, rope_theta, max_seq_len: as Llama's (``llama.args.ModelArgs``); the dense
-            blocks' SwiGLU width follows Llama's rule.
         n_dense_layers: the first blocks keep a dense SwiGLU (as DeepSeek's first layers).
         moe: the MoE layers' shapes.
 
@@ -114,29 +112,13 @@ class MoEModelArgs:
     """
 
     dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    vocab_size: int = 256
-    multiple_of: int = 64
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 2048
     n_dense_layers: int = 1
     moe: MoEArgs = field(default_factory=MoEArgs)
 
     def __post_init__(self) -> None:
-        self.llama_args()  # the attention and dense shapes' own checks
+        LlamaArgs.__post_init__(self)  # the attention and dense shapes' own checks
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ConfigError(f"n_dense_layers {self.n_dense_layers} must be between 0 and n_layers {self.n_layers}")
-
-    def llama_args(self) -> LlamaArgs:
-        """The same shapes as Llama's args: the attention, norms and dense blocks are Llama's modules."""
-        return LlamaArgs(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                         vocab_size=self.vocab_size, multiple_of=self.multiple_of,
-                         ffn_dim_multiplier=self.ffn_dim_multiplier, norm_eps=self.norm_eps,
-                         rope_theta=self.rope_theta, max_seq_len=self.max_seq_len)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -145,9 +127,8 @@ class MoEModelArgs:
 
     def num_params(self, *, active: bool = False) -> int:
         """Parameter count from the shapes; ``active``: those one token runs through (top_k experts)."""
-        llama = self.llama_args()
-        dense_ffn = 3 * self.dim * llama.hidden_dim
-        attention_and_norms = llama.num_params() - self.n_layers * dense_ffn
+        dense_ffn = 3 * self.dim * self.hidden_dim
+        attention_and_norms = LlamaArgs.num_params(self) - self.n_layers * dense_ffn
         moe = self.moe.num_params(self.dim, active=active)
         return attention_and_norms + self.n_dense_layers * dense_ffn + len(self.moe_layers) * moe
 
@@ -195,7 +176,7 @@ CONFIG_NOTES: dict[str, str] = {
 def check_degrees(args: MoEModelArgs, dims: ParallelDims, config: str) -> None:
     """Llama's head checks for ``--tp``; ``--ep`` divides the routed experts; ``--cp`` would cut
     the sequences the auxiliary loss is computed over."""
-    llama_check_degrees(args.llama_args(), dims, config)
+    llama_check_degrees(args, dims, config)
     if args.moe.num_experts % dims.ep:
         raise ConfigError(f"--ep {dims.ep} must divide the experts of config {config!r}: "
                           f"num_experts={args.moe.num_experts}")

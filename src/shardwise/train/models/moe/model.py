@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.train.models.llama.model import Attention, FeedForward, Transformer, TransformerBlock
+from shardwise.train.models.llama.model import Attention, FeedForward, Transformer
 from shardwise.train.models.moe.args import MoEArgs, MoEModelArgs, ScoreFunc
 
 __all__ = ["TokenChoiceRouter", "GroupedExperts", "SharedExpert", "MoE", "MoEBlock", "MoETransformer",
@@ -238,7 +238,7 @@ class MoEBlock(nn.Module):
 
     def __init__(self, layer_id: int, args: MoEModelArgs) -> None:
         super().__init__()
-        self.attention = Attention(args.llama_args())
+        self.attention = Attention(args)
         self.moe = MoE(args.dim, args.moe)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -268,20 +268,8 @@ class MoETransformer(Transformer):
         torch.Size([2, 16, 256])
     """
 
-    def __init__(self, args: MoEModelArgs) -> None:
-        nn.Module.__init__(self)
-        llama = args.llama_args()
-        self.args = llama  # what the inherited init and forward read (widths, rotary)
-        self.moe_args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({
-            str(i): MoEBlock(i, args) if i >= args.n_dense_layers else TransformerBlock(i, llama)
-            for i in range(args.n_layers)
-        })
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rotary", torch.empty(args.max_seq_len, llama.head_dim // 2, 2), persistent=False)
-        self.init_weights()
+    def build_block(self, layer_id: int, args: MoEModelArgs) -> nn.Module:
+        return MoEBlock(layer_id, args) if layer_id >= args.n_dense_layers else super().build_block(layer_id, args)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
